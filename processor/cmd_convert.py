@@ -1,0 +1,61 @@
+"""``durable-check convert``: inputs -> action records, as JSONL in the skill's format.
+
+The output is what the durable-sessions skill's own checker reads, so a trace dump can
+be checked by either tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import orjson
+
+from processor.errors import InputError
+from processor.records import Action, Malformed
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="write the action records of trace dumps or action logs as JSONL",
+        description="Convert inputs into action records (JSONL, the durable-sessions skill's format).",
+    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="file to read; - for standard input")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write; - for standard output")
+    parser.add_argument("--input-format", default=None, help="override format detection (see replay --help)")
+    parser.add_argument("--config", default=None, metavar="FILE", help="configuration whose convert: section applies")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from processor.cmd_replay import make_converter
+    from processor.receive.files import read_input
+
+    converter = make_converter(args.config)
+    out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")  # noqa: SIM115
+    unreadable = 0
+    written = 0
+    skipped = 0
+    try:
+        for path in args.inputs:
+            try:
+                for item in read_input(path, args.input_format, converter):
+                    if isinstance(item, Action):
+                        out.write(orjson.dumps(item.record, option=orjson.OPT_APPEND_NEWLINE))
+                        written += 1
+                    elif isinstance(item, Malformed):
+                        skipped += 1
+                        where = f"{item.origin}:{item.line}" if item.line is not None else item.origin
+                        sys.stderr.write(f"{where}: skipped: {item.message}\n")
+            except InputError as exc:
+                unreadable += 1
+                sys.stderr.write(f"durable-check: {exc}\n")
+    finally:
+        if out is not sys.stdout.buffer:
+            out.close()
+        else:
+            out.flush()
+    sys.stderr.write(f"{written} record(s) written, {skipped} skipped\n")
+    return 2 if unreadable else 0

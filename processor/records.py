@@ -1,0 +1,190 @@
+"""Action records: one attempt of one action of one session.
+
+A record is a plain ``dict`` whose keys are the durable-sessions skill's field names,
+so an action log line *is* a record and the checker's output can be read back by the
+skill's own checker. Presence of a key is meaningful (``"result": null`` is recorded,
+a missing ``result`` is not), which a dataclass could not express; a dict also keeps
+conversion of a JSON line free.
+
+What is not part of the skill's format (where the record came from, its event time
+as an integer, whether its action id had to be made up) travels beside the record in
+:class:`Action`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+Record = dict[str, Any]
+
+REQUIRED_FIELDS: Final = ("session_id", "action_id", "kind", "status")
+
+NONDETERMINISTIC_KINDS: Final = frozenset({"user_prompt", "llm_call", "external_read", "random", "clock"})
+SIDE_EFFECT_KINDS: Final = frozenset({"write", "payment", "email", "notify", "deploy"})
+NEVER_CACHEABLE_KINDS: Final = frozenset({"user_prompt"})
+
+STATUSES: Final = ("ok", "error")
+ON_FAILURE_VALUES: Final = ("ask_user", "abort", "compensate")
+WORKFLOW_STATES: Final = (
+    "planned",
+    "awaiting_approval",
+    "executing",
+    "waiting_on_external",
+    "retry_scheduled",
+    "completed",
+    "failed",
+    "compensated",
+)
+WAIT_STATES: Final = frozenset({"awaiting_approval", "waiting_on_external"})
+APPROVAL_DECISIONS: Final = ("granted", "denied")
+
+# The JSON type each known field must have when present. ``null`` is accepted for
+# every optional field (it means "present, no value"); required fields must be
+# non-empty strings. ``bool`` is never accepted where an integer is asked for.
+FieldType = Literal["str", "int", "number", "bool", "any", "str|int"]
+FIELD_TYPES: Final[dict[str, FieldType]] = {
+    "session_id": "str",
+    "action_id": "str",
+    "kind": "str",
+    "status": "str",
+    "result": "any",
+    "result_ref": "str",
+    "idempotency_key": "str",
+    "replay": "str",
+    "side_effects": "bool",
+    "retryable": "bool",
+    "max_attempts": "int",
+    "attempts": "int",
+    "cacheable": "bool",
+    "cache_key": "str",
+    "ttl_s": "int",
+    "on_failure": "str",
+    "replayed": "bool",
+    "workflow_state": "str",
+    "wait_timeout_s": "number",
+    "plan_version": "str|int",
+    "approval_decision": "str",
+    "input_fingerprint": "str",
+    "instance": "str",
+    "time": "str",
+    "trace_id": "str",
+    "span_id": "str",
+    "service": "str",
+}
+
+_TYPE_WORDS: Final[dict[FieldType, str]] = {
+    "str": "a string",
+    "int": "an integer",
+    "number": "a number",
+    "bool": "true or false",
+    "any": "any value",
+    "str|int": "a string or an integer",
+}
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON name of a Python value's type, for messages (never the value itself)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _has_type(value: Any, expected: FieldType) -> bool:
+    if expected == "any":
+        return True
+    if expected == "str":
+        return isinstance(value, str)
+    if expected == "bool":
+        return isinstance(value, bool)
+    if expected == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if expected == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    # "str|int"
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def validate_record(record: Record) -> list[str]:
+    """Problems that make a record unusable, as messages that name fields, not values.
+
+    An empty string counts as a missing required field ("an empty key is no key").
+    An empty list means the record is well-formed.
+    """
+    problems: list[str] = []
+    missing = [f for f in REQUIRED_FIELDS if record.get(f) in (None, "")]
+    if missing:
+        problems.append("missing required field" + ("s " if len(missing) > 1 else " ") + ", ".join(missing))
+    for name, expected in FIELD_TYPES.items():
+        if name not in record:
+            continue
+        value = record[name]
+        if value is None:
+            if name in REQUIRED_FIELDS:
+                continue  # already reported as missing
+            continue
+        if not _has_type(value, expected):
+            problems.append(f"field {name} must be {_TYPE_WORDS[expected]}, got {json_type_name(value)}")
+    return problems
+
+
+SourceKind = Literal["log", "span"]
+
+
+@dataclass(slots=True)
+class Action:
+    """A record and where it came from.
+
+    ``source`` says how records map to actions: an action log holds one record per
+    action (a repeated id is a duplicate); spans hold one record per attempt (a
+    repeated id may be a retry or a redelivery).
+    """
+
+    record: Record
+    source: SourceKind
+    # Where the record was read: "file:line" for logs, the input name for spans.
+    origin: str = ""
+    line: int | None = None
+    # Event time in Unix nanoseconds (span start, or the record's `time`); None when unknown.
+    time_ns: int | None = None
+    # Arrival order within the run; breaks ties between equal event times.
+    seq: int = 0
+    # Identity of the delivered unit, for duplicate-delivery detection: (trace_id, span_id, event index).
+    delivery_key: tuple[str, str, int] | None = None
+    # True when the action id was made up (from a span id): it cannot be stable across a replay.
+    synthetic_action_id: bool = False
+
+    @property
+    def session_id(self) -> str:
+        return str(self.record.get("session_id", ""))
+
+    @property
+    def action_id(self) -> str:
+        return str(self.record.get("action_id", ""))
+
+
+@dataclass(slots=True)
+class Malformed:
+    """Input that could not become a record (DS000): a bad line, a span of the wrong shape."""
+
+    message: str
+    origin: str = ""
+    line: int | None = None
+    session_id: str = ""
+    action_id: str = ""
+    trace_id: str = ""
+    span_id: str = ""
+    source: SourceKind = "log"
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,129 @@
+"""Self-telemetry, declared in one place.
+
+Every metric Durable Check exposes is listed in ``METRICS``; ``Telemetry`` builds them
+in a registry of its own (one per running pipeline, so tests can run several), and
+``docs/telemetry.md`` is generated from the same list (``python -m processor.telemetry``).
+
+No session, action or trace id is ever a label: those are unbounded.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    attr: str
+    name: str
+    type: MetricType
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # What the checked agents do.
+    MetricSpec("violations", "durable_check_violations", "counter",
+               "Violations found, by rule, severity and service.", ("rule", "severity", "service")),
+    MetricSpec("actions", "durable_check_actions", "counter",
+               "Action records evaluated, by kind, status and service.", ("kind", "status", "service")),
+    MetricSpec("open_sessions", "durable_check_open_sessions", "gauge",
+               "Sessions with state held in memory or in the store."),
+    MetricSpec("open_waits", "durable_check_open_waits", "gauge",
+               "Waits (approvals, external events) not yet resolved, by workflow state.", ("state",)),
+    MetricSpec("oldest_open_wait_age", "durable_check_oldest_open_wait_age_seconds", "gauge",
+               "Age of the oldest unresolved wait: stuck work made visible."),
+    MetricSpec("sessions_evicted", "durable_check_sessions_evicted", "counter",
+               "Sessions dropped because the open-session bound was reached."),
+    # The processor's own health.
+    MetricSpec("spans_received", "durable_check_spans_received", "counter",
+               "Spans received, by protocol (grpc, http, file).", ("protocol",)),
+    MetricSpec("spans_rejected", "durable_check_spans_rejected", "counter",
+               "Spans refused or not convertible, by protocol and reason.", ("protocol", "reason")),
+    MetricSpec("spans_duplicate", "durable_check_spans_duplicate", "counter",
+               "Spans delivered again (same trace and span id) and counted once."),
+    MetricSpec("spans_late", "durable_check_spans_late", "counter",
+               "Spans that arrived behind the watermark (later than the allowed lateness)."),
+    MetricSpec("queue_depth", "durable_check_queue_depth", "gauge",
+               "Requests waiting between the receivers and the evaluator."),
+    MetricSpec("evaluation_seconds", "durable_check_evaluation_seconds", "histogram",
+               "Time to evaluate one batch of records."),
+    MetricSpec("exporter_sent", "durable_check_exporter_sent", "counter",
+               "Items delivered by an exporter.", ("exporter",)),
+    MetricSpec("exporter_failures", "durable_check_exporter_failures", "counter",
+               "Failed export attempts (each retry counts).", ("exporter",)),
+    MetricSpec("exporter_dropped", "durable_check_exporter_dropped", "counter",
+               "Items an exporter gave up on (retry queue full or retries exhausted).", ("exporter",)),
+    MetricSpec("exporter_queue_depth", "durable_check_exporter_queue_depth", "gauge",
+               "Items waiting in an exporter's retry queue.", ("exporter",)),
+    MetricSpec("forward_dropped", "durable_check_forward_dropped", "counter",
+               "Spans processor mode could not forward downstream (buffer overflow or retries exhausted)."),
+)
+
+
+class Telemetry:
+    """The metrics of one pipeline, as attributes named by ``MetricSpec.attr``."""
+
+    violations: Counter
+    actions: Counter
+    open_sessions: Gauge
+    open_waits: Gauge
+    oldest_open_wait_age: Gauge
+    sessions_evicted: Counter
+    spans_received: Counter
+    spans_rejected: Counter
+    spans_duplicate: Counter
+    spans_late: Counter
+    queue_depth: Gauge
+    evaluation_seconds: Histogram
+    exporter_sent: Counter
+    exporter_failures: Counter
+    exporter_dropped: Counter
+    exporter_queue_depth: Gauge
+    forward_dropped: Counter
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        for spec in METRICS:
+            metric: Counter | Gauge | Histogram
+            if spec.type == "counter":
+                metric = Counter(spec.name, spec.help, spec.labels, registry=self.registry)
+            elif spec.type == "gauge":
+                metric = Gauge(spec.name, spec.help, spec.labels, registry=self.registry)
+            else:
+                metric = Histogram(
+                    spec.name,
+                    spec.help,
+                    spec.labels,
+                    registry=self.registry,
+                    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
+                )
+            setattr(self, spec.attr, metric)
+
+
+def render_markdown() -> str:
+    """docs/telemetry.md, generated from ``METRICS``."""
+    out = [
+        "# Self-telemetry",
+        "",
+        "Generated from `processor/telemetry.py` by `python -m processor.telemetry`; do not edit by hand.",
+        "Counters are exposed with the `_total` suffix. No label ever holds a session, action or trace id.",
+        "",
+        "| metric | type | labels | meaning |",
+        "|---|---|---|---|",
+    ]
+    for spec in METRICS:
+        name = spec.name + ("_total" if spec.type == "counter" else "")
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "none"
+        out.append(f"| `{name}` | {spec.type} | {labels} | {spec.help} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())

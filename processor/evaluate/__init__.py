@@ -1,0 +1,1 @@
+"""Rule evaluation: the CEL expression language, the rule-file format and the streaming engine."""

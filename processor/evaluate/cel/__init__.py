@@ -1,0 +1,147 @@
+"""The CEL subset rule conditions are written in, compiled into Python closures.
+
+An expression is parsed once, checked once against an :class:`Environment`, and
+compiled into nested closures; evaluating it against a record costs a few Python
+calls, not an interpreter walk. Python's eval/exec/compile are never used.
+
+    env = Environment(variables={"record": "map", "lists": "map"},
+                      known_fields={"record": frozenset({"kind", "status", "result"})},
+                      constants={"lists": {"nondeterministic": ["llm_call", "random"]}})
+    expr = compile_expression('record.kind in lists.nondeterministic && !has(record.result)', env)
+    expr.predicate({"record": {"kind": "llm_call", "status": "ok"}})   # True
+
+**In the subset** (with CEL's semantics):
+
+- Literals: int (decimal, hex), uint (``1u``), double, string (single, double and
+  triple quotes; raw ``r"..."``; all CEL escapes), bool, null, lists, maps.
+  ``//`` comments.
+- Operators, loosest first: ``?:``, ``||``, ``&&``, ``== != < <= > >= in``,
+  ``+ -``, ``* / %``, unary ``! -``, then ``a.b``, ``a[b]``, ``f(x)``, ``x.f(y)``.
+- ``&&`` and ``||`` absorb errors both ways (``false && error`` is false, ``true ||
+  error`` is true); otherwise an error propagates.
+- Equality across int, uint and double compares numbers (``1 == 1.0``); ``==``
+  between other different types is false. Ordering works within a type and across
+  numbers; anything else (``"a" < 1``) is an EvaluationError, as are 64-bit int
+  overflow and integer division or modulus by zero. Double division by zero gives
+  an infinity, as IEEE 754 and CEL say. Arithmetic does not mix types (``1 + 1.0``
+  is an error; convert with ``double()``).
+- Selecting a missing map key (``record.result_ref``) is an EvaluationError; test
+  with ``has(record.result_ref)`` first. A key present with a null value is present.
+- Macros: ``has(x.f)``, ``l.exists(v, p)``, ``l.all(v, p)``, ``l.exists_one(v, p)``,
+  ``l.map(v, e)``, ``l.map(v, p, e)``, ``l.filter(v, p)``; over a map they iterate its keys.
+- Functions: ``size`` (also ``x.size()``), ``int``, ``uint``, ``double``, ``string``,
+  ``bool``, ``dyn``, ``s.startsWith(t)``, ``s.endsWith(t)``, ``s.contains(t)``,
+  ``s.matches(re)`` (also ``matches(s, re)``), ``s.lowerAscii()``, ``s.upperAscii()``,
+  ``duration("1h30m")`` (seconds, as a double), plus the Environment's own functions.
+
+**Out of the subset**: bytes literals, ``timestamp()`` and the google.protobuf
+Duration/Timestamp types (``duration()`` returns seconds), ``type()`` and type
+denotations, protobuf messages and ``Msg{field: v}`` construction, qualified names
+starting with ``.``, optional values (``?.``), ``cel.bind``, and the strings
+extension beyond ``lowerAscii``/``upperAscii`` (no ``split``, ``replace``, ``trim``...).
+
+**Regular expressions** use Python's ``re`` (ASCII ``\\d \\w \\s``, as RE2) after
+refusing what RE2 refuses and what makes backtracking blow up: backreferences,
+lookaround, atomic groups, stacked/possessive quantifiers, and an unbounded repeat
+of a group that itself repeats without bound. As in RE2, ``$`` matches only at the
+very end unless ``(?m)`` is given, ``\\z`` is the end of text and ``(?<name>...)``
+names a group; flag groups such as ``(?i)`` must open the pattern. Literal patterns
+are checked and compiled once, at compile time; matched text is limited to 100,000
+characters. Alternations that overlap under a repeat (``(a|a)*``) are not detected.
+
+**Limits**: sources of at most 10,000 characters, nesting of at most 100 levels.
+
+**Compile-time errors** (ExpressionError with 1-based line:col in the source):
+syntax, undeclared names, fields outside ``known_fields`` (with the closest known
+name suggested), missing keys of constants, unknown functions, wrong arity, type
+errors visible from literals (``"a" + 1``, ``1 && true``), invalid literal regular
+expressions, and built-in calls on literals that can never succeed
+(``duration("5 minutes")``).
+
+**Values**: activations hold plain Python values: dict for maps (an absent key is
+an absent field), list or tuple, str, int, float, bool, None for null. uint values
+are :class:`UInt` (an ``int``). A constant list may come back as a tuple.
+
+**references** lists the (variable, field) pairs an expression reads, so the engine
+keeps only those fields; ``(variable, "*")`` means the whole value is used (for
+example ``size(record)`` or ``record[some_key]``). Constants are not listed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from processor.errors import EvaluationError, ExpressionError
+from processor.evaluate.cel._checker import WHOLE_VALUE, check
+from processor.evaluate.cel._compiler import Compiler, always_bool
+from processor.evaluate.cel._environment import Environment
+from processor.evaluate.cel._parser import parse
+from processor.evaluate.cel._values import UInt
+
+__all__ = [
+    "WHOLE_VALUE",
+    "CompiledExpression",
+    "Environment",
+    "EvaluationError",
+    "ExpressionError",
+    "UInt",
+    "compile_expression",
+]
+
+
+class CompiledExpression:
+    """A checked, compiled expression.
+
+    ``evaluate(activation)`` returns the CEL value or raises EvaluationError;
+    ``predicate(activation)`` is True only when the value is the bool true (an
+    EvaluationError still propagates). Both are plain closures, so calling them
+    costs no method dispatch.
+    """
+
+    __slots__ = ("evaluate", "predicate", "references", "result_type", "source")
+
+    evaluate: Callable[[Mapping[str, Any]], Any]
+    predicate: Callable[[Mapping[str, Any]], bool]
+
+    def __init__(
+        self,
+        source: str,
+        evaluate: Callable[[Mapping[str, Any]], Any],
+        references: frozenset[tuple[str, str]],
+        result_type: str,
+        always_bool: bool = False,
+    ) -> None:
+        self.source = source
+        self.evaluate = evaluate
+        self.references = references
+        # The CEL type the checker inferred ("bool", "int", ... or "dyn").
+        self.result_type = result_type
+
+        if always_bool:
+            # The closure can only return True or False: it is its own predicate.
+            self.predicate = evaluate
+        else:
+
+            def predicate(activation: Mapping[str, Any]) -> bool:
+                return evaluate(activation) is True
+
+            self.predicate = predicate
+
+    def __repr__(self) -> str:
+        return f"CompiledExpression({self.source!r})"
+
+
+def compile_expression(source: str, env: Environment) -> CompiledExpression:
+    """Parse, check and compile ``source``; raises ExpressionError with line:col on any problem."""
+    if not isinstance(source, str):
+        raise ExpressionError(f"an expression must be a string, not {type(source).__name__}")
+    try:
+        tree = parse(source)
+        checked = check(source, tree, env)
+        code = Compiler(source, env, checked).compile(tree)
+    except RecursionError:
+        # The depth limits keep a parse well inside Python's stack; this only
+        # happens when the caller was itself nearly out of stack.
+        raise ExpressionError("expression is nested too deeply to compile") from None
+    return CompiledExpression(source, code.fn, frozenset(checked.references), tree.ctype, always_bool(tree))

@@ -1,0 +1,482 @@
+"""Built-in functions of the CEL subset: their signatures (for the checker) and implementations.
+
+Regular expressions follow RE2's syntax as far as Python's ``re`` shares it;
+constructs RE2 rejects and that make backtracking explode (backreferences,
+lookaround, atomic groups, possessive or stacked quantifiers, and an unbounded
+repeat of a group that itself repeats without bound) are rejected before ``re``
+sees the pattern, and matched input is bounded in length.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any, Final
+
+from processor.errors import EvaluationError
+from processor.evaluate.cel._values import INT_MIN, UINT_MAX, UInt, check_int, kind, no_overload
+
+MAX_MATCH_INPUT_CHARS: Final = 100_000
+MAX_PATTERN_CHARS: Final = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Builtin:
+    """A built-in function. ``overloads`` lists (parameter types, result type); "*" takes any type.
+
+    For a receiver call ``x.f(y)`` the receiver is the first parameter.
+    """
+
+    name: str
+    impl: Callable[..., Any]
+    overloads: tuple[tuple[tuple[str, ...], str], ...]
+    global_form: bool
+    receiver_form: bool
+
+    @property
+    def arities(self) -> frozenset[int]:
+        return frozenset(len(params) for params, _ in self.overloads)
+
+
+# -- size and conversions ------------------------------------------------------------
+
+
+def size(value: Any) -> int:
+    if type(value) is str or type(value) is list or type(value) is dict:
+        return len(value)
+    if kind(value) in ("string", "bytes", "list", "map"):
+        return len(value)
+    raise no_overload("size", value)
+
+
+_INT_TEXT: Final = re.compile(r"[+-]?[0-9]+")
+_UINT_TEXT: Final = re.compile(r"[0-9]+")
+
+
+def to_int(value: Any) -> int:
+    value_kind = kind(value)
+    if value_kind == "int":
+        return int(value)
+    if value_kind == "uint":
+        return check_int(int(value))
+    if value_kind == "double":
+        # As cel-go: both ends are exclusive, since 2**63 - 1 has no double of its own.
+        if math.isnan(value) or not (INT_MIN < value < 2.0**63):
+            raise EvaluationError("int() overflow: the double does not fit in an int")
+        return int(value)
+    if value_kind == "string":
+        # Python's int() would also take blanks and "1_000"; CEL takes an optional sign and digits.
+        if not _INT_TEXT.fullmatch(value):
+            raise EvaluationError("int() cannot parse the string as an integer")
+        return check_int(int(value, 10))
+    raise no_overload("int", value)
+
+
+def to_uint(value: Any) -> UInt:
+    value_kind = kind(value)
+    if value_kind in ("int", "uint"):
+        if not 0 <= int(value) <= UINT_MAX:
+            raise EvaluationError("uint() overflow: the value does not fit in a uint")
+        return UInt(int(value))
+    if value_kind == "double":
+        if math.isnan(value) or not (0 <= value < 2.0**64):
+            raise EvaluationError("uint() overflow: the double does not fit in a uint")
+        return UInt(int(value))
+    if value_kind == "string":
+        if not _UINT_TEXT.fullmatch(value):
+            raise EvaluationError("uint() cannot parse the string as an unsigned integer")
+        parsed = int(value, 10)
+        if not 0 <= parsed <= UINT_MAX:
+            raise EvaluationError("uint() overflow: the value does not fit in a uint")
+        return UInt(parsed)
+    raise no_overload("uint", value)
+
+
+_DOUBLE_TEXT: Final = re.compile(r"[+-]?([0-9]+\.?[0-9]*([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?)")
+_DOUBLE_WORDS: Final = re.compile(r"[+-]?(inf|infinity|nan)", re.IGNORECASE)
+
+
+def to_double(value: Any) -> float:
+    value_kind = kind(value)
+    if value_kind in ("int", "uint", "double"):
+        return float(value)
+    if value_kind == "string":
+        # Python's float() also takes "1_000" and surrounding blanks; CEL does not.
+        if _DOUBLE_WORDS.fullmatch(value):
+            return float(value)
+        if not _DOUBLE_TEXT.fullmatch(value):
+            raise EvaluationError("double() cannot parse the string as a number")
+        parsed = float(value)
+        if math.isinf(parsed):
+            raise EvaluationError("double() overflow: the number is out of range")
+        return parsed
+    raise no_overload("double", value)
+
+
+def format_double(value: float) -> str:
+    """A double as CEL's string() writes it: Go's %g, the shortest form that reads back the same.
+
+    Exponent notation is used below 1e-4 and from 1e6 on, as Go does when the precision is the shortest.
+    """
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == 0.0:
+        return "-0" if math.copysign(1.0, value) < 0 else "0"
+    sign, digit_tuple, exponent = Decimal(repr(value)).normalize().as_tuple()
+    assert isinstance(exponent, int)
+    digits = "".join(str(d) for d in digit_tuple)
+    decimal_exponent = len(digits) + exponent - 1  # the power of ten of the first digit
+    prefix = "-" if sign else ""
+    if decimal_exponent < -4 or decimal_exponent >= 6:
+        mantissa = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+        exp_sign = "-" if decimal_exponent < 0 else "+"
+        return f"{prefix}{mantissa}e{exp_sign}{abs(decimal_exponent):02d}"
+    if decimal_exponent < 0:
+        return f"{prefix}0.{'0' * (-decimal_exponent - 1)}{digits}"
+    whole = digits[: decimal_exponent + 1].ljust(decimal_exponent + 1, "0")
+    fraction = digits[decimal_exponent + 1 :]
+    return f"{prefix}{whole}.{fraction}" if fraction else f"{prefix}{whole}"
+
+
+def to_string(value: Any) -> str:
+    value_kind = kind(value)
+    if value_kind == "string":
+        return str(value)
+    if value_kind == "bool":
+        return "true" if value else "false"
+    if value_kind in ("int", "uint"):
+        return str(int(value))
+    if value_kind == "double":
+        return format_double(value)
+    if value_kind == "bytes":
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise EvaluationError("string() got bytes that are not valid UTF-8") from None
+    raise no_overload("string", value)
+
+
+_BOOL_WORDS: Final = {
+    "1": True, "t": True, "true": True, "TRUE": True, "True": True,
+    "0": False, "f": False, "false": False, "FALSE": False, "False": False,
+}  # fmt: skip
+
+
+def to_bool(value: Any) -> bool:
+    value_kind = kind(value)
+    if value_kind == "bool":
+        return bool(value)
+    if value_kind == "string":
+        found = _BOOL_WORDS.get(value)
+        if found is None:
+            raise EvaluationError("bool() cannot parse the string as a bool")
+        return found
+    raise no_overload("bool", value)
+
+
+def to_dyn(value: Any) -> Any:
+    return value
+
+
+# -- strings ------------------------------------------------------------------------
+
+
+def _strings(name: str, a: Any, b: Any) -> None:
+    if kind(a) != "string" or kind(b) != "string":
+        raise no_overload(name, a, b)
+
+
+def starts_with(text: Any, prefix: Any) -> bool:
+    if type(text) is str and type(prefix) is str:
+        return text.startswith(prefix)
+    _strings("startsWith", text, prefix)
+    return bool(text.startswith(prefix))
+
+
+def ends_with(text: Any, suffix: Any) -> bool:
+    if type(text) is str and type(suffix) is str:
+        return text.endswith(suffix)
+    _strings("endsWith", text, suffix)
+    return bool(text.endswith(suffix))
+
+
+def contains_text(text: Any, part: Any) -> bool:
+    if type(text) is str and type(part) is str:
+        return part in text
+    _strings("contains", text, part)
+    return bool(part in text)
+
+
+_ASCII_LOWER: Final = {c: c + 32 for c in range(ord("A"), ord("Z") + 1)}
+_ASCII_UPPER: Final = {c: c - 32 for c in range(ord("a"), ord("z") + 1)}
+
+
+def lower_ascii(text: Any) -> str:
+    if kind(text) != "string":
+        raise no_overload("lowerAscii", text)
+    # Only A-Z change: str.lower() would also fold non-ASCII letters.
+    return str(text).lower() if text.isascii() else str(text).translate(_ASCII_LOWER)
+
+
+def upper_ascii(text: Any) -> str:
+    if kind(text) != "string":
+        raise no_overload("upperAscii", text)
+    return str(text).upper() if text.isascii() else str(text).translate(_ASCII_UPPER)
+
+
+# -- regular expressions --------------------------------------------------------------
+
+
+def _quantifier_end(pattern: str, i: int) -> tuple[int, bool] | None:
+    """If a quantifier starts at ``i``: (index after it, whether it is unbounded)."""
+    c = pattern[i]
+    if c in "*+":
+        return i + 1, True
+    if c == "?":
+        return i + 1, False
+    if c == "{":
+        match = re.match(r"\{(\d*)(,?)(\d*)\}", pattern[i:])
+        if match and (match.group(1) or match.group(3)):
+            return i + match.end(), bool(match.group(2)) and not match.group(3)
+    return None
+
+
+def _group_header_end(pattern: str, i: int) -> tuple[int, bool]:
+    """Skip a group opener at ``i``: (index after it, whether it is a flags-only group like ``(?i)``)."""
+    if not pattern.startswith("(?", i):
+        return i + 1, False
+    j = i + 2
+    if pattern.startswith(("P<", "<"), j):
+        close = pattern.find(">", j)
+        return (len(pattern) if close < 0 else close + 1), False
+    while j < len(pattern) and (pattern[j].isalpha() or pattern[j] == "-"):
+        j += 1
+    if j < len(pattern) and pattern[j] == ")":
+        return j + 1, True
+    return j + 1, False  # "(?:" or "(?flags:"
+
+
+def re2_problem(pattern: str) -> str | None:
+    """Why ``pattern`` is not accepted (RE2-incompatible or prone to catastrophic backtracking), or None."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        return f"the pattern is longer than {MAX_PATTERN_CHARS} characters"
+    for opener, what in (
+        ("(?=", "lookahead"),
+        ("(?!", "lookahead"),
+        ("(?<=", "lookbehind"),
+        ("(?<!", "lookbehind"),
+        ("(?P=", "named backreferences"),
+        ("(?>", "atomic groups"),
+        ("(?(", "conditional groups"),
+        ("(?#", "comment groups"),
+    ):
+        if opener in pattern:
+            return f"{what} ({opener}...) are not supported"
+    # One flag per open group: does it contain an unbounded repeat?
+    groups: list[bool] = [False]
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        atom_repeats_unbounded = False
+        if c == "\\":
+            if i + 1 < n and pattern[i + 1] in "123456789":
+                return "backreferences (\\1) are not supported"
+            i += 2
+        elif c == "[":
+            i += 1
+            if i < n and pattern[i] == "^":
+                i += 1
+            if i < n and pattern[i] == "]":
+                i += 1
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        elif c == "(":
+            i, flags_only = _group_header_end(pattern, i)
+            if not flags_only:
+                groups.append(False)
+            continue
+        elif c == ")":
+            atom_repeats_unbounded = groups.pop() if len(groups) > 1 else False
+            i += 1
+        elif c == "|":
+            i += 1
+            continue
+        elif c in "*+?" or (c == "{" and _quantifier_end(pattern, i) is not None):
+            return "a quantifier must follow something to repeat"
+        else:
+            i += 1
+        quantifier = _quantifier_end(pattern, i) if i < n else None
+        if quantifier is not None:
+            i, unbounded = quantifier
+            if unbounded and atom_repeats_unbounded:
+                return "an unbounded repeat of a group that itself repeats without bound can take exponential time"
+            if unbounded:
+                groups[-1] = True
+            if i < n and pattern[i] == "?":
+                i += 1  # lazy
+            if i < n and _quantifier_end(pattern, i) is not None:
+                return "stacked or possessive quantifiers (like a*+) are not supported"
+        if atom_repeats_unbounded:
+            groups[-1] = True
+    return None
+
+
+_MULTILINE_FLAG: Final = re.compile(r"\(\?[a-zA-Z]*m[a-zA-Z]*[-:)]")
+
+
+def _translate_re2(pattern: str) -> str:
+    """Rewrite what RE2 writes or means differently: ``\\z`` is Python's ``\\Z``; outside
+    multi-line mode RE2's ``$`` matches only at the very end (Python's also before a final
+    newline); ``(?<name>...)`` is Python's ``(?P<name>...)``."""
+    dollar = "$" if _MULTILINE_FLAG.search(pattern) else "\\Z"
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    in_class = False
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            out.append("\\Z" if pattern[i + 1] == "z" and not in_class else pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            out.append(c)
+            i += 1
+            # A "]" right after "[" or "[^" is a literal, not the end of the class.
+            if i < n and pattern[i] == "^":
+                out.append("^")
+                i += 1
+            if i < n and pattern[i] == "]":
+                out.append("]")
+                i += 1
+            continue
+        elif c == "$":
+            out.append(dollar)
+            i += 1
+            continue
+        elif pattern.startswith("(?<", i):
+            # RE2's (?<name>...) is Python's (?P<name>...); lookbehind was refused before this.
+            out.append("(?P<")
+            i += 3
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """Compile an RE2-style pattern; raises ValueError with a reason."""
+    problem = re2_problem(pattern)
+    if problem is not None:
+        raise ValueError(problem)
+    try:
+        return re.compile(_translate_re2(pattern), re.ASCII)
+    except re.error as exc:
+        raise ValueError(f"invalid regular expression: {exc.msg}") from None
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_pattern(pattern: str) -> re.Pattern[str] | str:
+    try:
+        return compile_pattern(pattern)
+    except ValueError as exc:
+        return str(exc)
+
+
+def search(compiled: re.Pattern[str], text: Any) -> bool:
+    if type(text) is not str and kind(text) != "string":
+        raise no_overload("matches", text, "")
+    if len(text) > MAX_MATCH_INPUT_CHARS:
+        raise EvaluationError(f"matches() input is longer than {MAX_MATCH_INPUT_CHARS} characters")
+    return compiled.search(text) is not None
+
+
+def matches(text: Any, pattern: Any) -> bool:
+    """CEL ``matches``: true when the pattern matches any part of the text."""
+    _strings("matches", text, pattern)
+    compiled = _cached_pattern(str(pattern))
+    if isinstance(compiled, str):
+        raise EvaluationError(f"matches(): {compiled}")
+    return search(compiled, text)
+
+
+# -- durations ---------------------------------------------------------------------
+
+_DURATION_UNITS: Final = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "\u00b5s": 1e-6,
+    "\u03bcs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+_DURATION_PART: Final = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+# CEL's duration range: about +-10,000 years.
+_MAX_DURATION_S: Final = 315_576_000_000.0
+
+
+def duration(text: Any) -> float:
+    """``duration("1h30m")`` as seconds (a double); Go duration syntax, as CEL uses."""
+    if kind(text) != "string":
+        raise no_overload("duration", text)
+    body = str(text)
+    sign = 1.0
+    if body[:1] in ("+", "-"):
+        sign = -1.0 if body[0] == "-" else 1.0
+        body = body[1:]
+    if body == "0":
+        return 0.0
+    if not body:
+        raise EvaluationError('duration() needs a value such as "5m" or "1h30m"')
+    total = 0.0
+    position = 0
+    while position < len(body):
+        part = _DURATION_PART.match(body, position)
+        if part is None:
+            raise EvaluationError('duration() cannot parse the string: use units h, m, s, ms, us, ns as in "1h30m"')
+        total += float(part.group(1)) * _DURATION_UNITS[part.group(2)]
+        position = part.end()
+    if total > _MAX_DURATION_S:
+        raise EvaluationError("duration() is out of range")
+    return sign * total
+
+
+# -- the table ------------------------------------------------------------------------
+
+_NUMERIC_OR_STRING: Final = ("int", "uint", "double", "string")
+
+
+def _unary(name: str, impl: Callable[..., Any], params: tuple[str, ...], result: str) -> Builtin:
+    return Builtin(name, impl, tuple(((p,), result) for p in params), True, False)
+
+
+BUILTINS: Final[Mapping[str, Builtin]] = {
+    b.name: b
+    for b in (
+        Builtin("size", size, tuple(((p,), "int") for p in ("string", "bytes", "list", "map")), True, True),
+        _unary("int", to_int, _NUMERIC_OR_STRING, "int"),
+        _unary("uint", to_uint, _NUMERIC_OR_STRING, "uint"),
+        _unary("double", to_double, _NUMERIC_OR_STRING, "double"),
+        _unary("string", to_string, ("string", "int", "uint", "double", "bool", "bytes"), "string"),
+        _unary("bool", to_bool, ("bool", "string"), "bool"),
+        _unary("dyn", to_dyn, ("*",), "dyn"),
+        _unary("duration", duration, ("string",), "double"),
+        Builtin("startsWith", starts_with, ((("string", "string"), "bool"),), False, True),
+        Builtin("endsWith", ends_with, ((("string", "string"), "bool"),), False, True),
+        Builtin("contains", contains_text, ((("string", "string"), "bool"),), False, True),
+        Builtin("matches", matches, ((("string", "string"), "bool"),), True, True),
+        Builtin("lowerAscii", lower_ascii, ((("string",), "string"),), False, True),
+        Builtin("upperAscii", upper_ascii, ((("string",), "string"),), False, True),
+    )
+}

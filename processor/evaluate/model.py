@@ -5,7 +5,10 @@ variables:
 
 - ``record``: the action record (a dict in the skill's field names; absent key = absent field);
 - ``meta``: facts about the record that are not record fields: ``source`` (``"log"`` or
-  ``"span"``), ``synthetic_action_id`` (bool), ``line`` (int, 0 for spans);
+  ``"span"``), ``synthetic_action_id`` (bool), ``line`` (int, 0 for spans), ``time_ns``
+  (int: the record's event time in Unix ns, 0 when unknown; DS103 passes it to
+  ``timeDerived``). In the message of a ``malformed`` rule, ``meta`` holds ``source``,
+  ``line`` and ``problem`` (a string saying what is wrong, naming fields, never values);
 - ``lists``: named constant lists declared in rule files (``lists.side_effecting``);
 - ``first``: in ``then`` and ``message`` of stateful rules, the fields kept from the record
   that opened the group's state (only the fields the rule's expressions read are kept).

@@ -1,0 +1,378 @@
+"""OTLP spans become Actions.
+
+The converter reads the protobuf messages as they arrived: it walks each span's
+attribute list once, keeps the handful of keys some enabled profile wants, and
+builds the record from those. It never turns a span into a dict of all its
+attributes (that costs more than the rest of the conversion together), and it
+never copies payloads (tool results, model replies) into records: presence is what
+the rules need.
+
+One record per span attempt (``source="span"``), plus one per span event named
+``durable.action``. Spans no profile recognises (HTTP, database, agent containers)
+are counted, not converted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from processor.convert.classify import ToolClassifier
+from processor.convert.options import ConvertOptions
+from processor.convert.profiles import (
+    CONTAINER,
+    DURABLE_ATTRIBUTES,
+    DURABLE_BY_KEY,
+    DURABLE_EVENT_NAME,
+    DURABLE_SESSION_KEY,
+    HOST_NAME,
+    IDENTITY_FIELDS,
+    OI_OUTPUT_MESSAGES_PREFIX,
+    PROCESS_PID,
+    RESOURCE_KEYS,
+    SERVICE_INSTANCE_ID,
+    SERVICE_NAME,
+    TYPE_WORDS,
+    AnyValue,
+    Verdict,
+    enabled_profiles,
+    text,
+    type_word,
+    typed,
+)
+from processor.convert.timefmt import format_rfc3339
+from processor.records import Action, Malformed, Record
+
+_STATUS_CODE_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+_ZERO_TRACE_ID: Final = bytes(16)
+_ZERO_SPAN_ID: Final = bytes(8)
+_FIELD_RANK: Final = {attribute.field: rank for rank, attribute in enumerate(DURABLE_ATTRIBUTES)}
+_NS_PER_S: Final = 1_000_000_000
+# Span names are quoted in messages; a runaway name must not make a runaway message.
+_NAME_LIMIT: Final = 200
+
+
+@dataclass(slots=True)
+class ConvertResult:
+    """What one request gave: actions in span order, spans that could not be converted, counts."""
+
+    actions: list[Action] = field(default_factory=list)
+    rejected: list[Malformed] = field(default_factory=list)
+    spans_total: int = 0
+    spans_not_actions: int = 0
+    # Actions and rejected spans together, in span order (what a file reader yields).
+    items: list[Action | Malformed] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Resource:
+    """What a ResourceSpans contributes to each of its spans, read once."""
+
+    service: str | None
+    instance: str | None
+    # durable.* attributes on the resource: defaults for every action of the resource.
+    defaults: dict[str, Any]
+    problems: list[str]
+    # Profile session keys (session.id, ...) set on the resource rather than the span.
+    found: dict[str, AnyValue]
+
+
+class SpanConverter:
+    """Stateless apart from caches: one instance may serve every receiver."""
+
+    def __init__(self, options: ConvertOptions | None = None) -> None:
+        self.options = options if options is not None else ConvertOptions()
+        self._classifier = ToolClassifier(self.options.tool_kinds)
+        self._profiles = enabled_profiles(self.options)
+        self._durable_keys = frozenset(DURABLE_BY_KEY) if self.options.durable else frozenset()
+        wanted = set(self._durable_keys)
+        for profile in self._profiles:
+            wanted |= profile.keys
+        self._wanted = frozenset(wanted)
+        self._resource_wanted = frozenset(wanted | RESOURCE_KEYS)
+        self._verdicts = tuple(profile.verdict for profile in self._profiles)
+        self._session_keys = tuple(key for profile in self._profiles for key in profile.session_keys)
+        self._action_id_keys = tuple(key for profile in self._profiles for key in profile.action_id_keys)
+        self._scan_output_prefix = self.options.telemetry_is_log and self.options.openinference
+        # Spans of one request mostly share their second: reuse its formatted prefix.
+        self._last_second: tuple[int, str] = (-1, "")
+
+    # -- public -------------------------------------------------------------------------
+
+    def reads_attribute(self, key: str) -> bool:
+        """Whether conversion ever looks at an attribute of this key (decoders may skip the rest)."""
+        return key in self._resource_wanted or (self._scan_output_prefix and key.startswith(OI_OUTPUT_MESSAGES_PREFIX))
+
+    def convert(self, request: Any, origin: str = "", seq_start: int = 0) -> ConvertResult:
+        """``request``: an ExportTraceServiceRequest or a TracesData (both hold resource_spans)."""
+        out = ConvertResult()
+        for resource_spans in request.resource_spans:
+            resource = self._read_resource(resource_spans.resource)
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    out.spans_total += 1
+                    before = len(out.items)
+                    self._convert_span(span, resource, origin, seq_start, out)
+                    if len(out.items) == before:
+                        out.spans_not_actions += 1
+        return out
+
+    # -- resource -------------------------------------------------------------------------
+
+    def _read_resource(self, resource: Any) -> _Resource:
+        found: dict[str, AnyValue] = {}
+        wanted = self._resource_wanted
+        for kv in resource.attributes:
+            if kv.key in wanted:
+                found[kv.key] = kv.value
+        defaults, problems, _ = self._durable_fields(found, "resource attribute")
+        service = _text_of(found, SERVICE_NAME)
+        instance = _text_of(found, SERVICE_INSTANCE_ID)
+        if not instance:
+            host = _text_of(found, HOST_NAME)
+            pid = _text_of(found, PROCESS_PID)
+            instance = f"{host}:{pid}" if host and pid else host
+        return _Resource(service or None, instance or None, defaults, list(problems.values()), found)
+
+    # -- spans ----------------------------------------------------------------------------
+
+    def _durable_fields(self, found: dict[str, AnyValue], what: str) -> tuple[dict[str, Any], dict[str, str], bool]:
+        """(record fields, type problems by attribute, whether an action attribute other than the session is set)."""
+        fields: dict[str, Any] = {}
+        problems: dict[str, str] = {}
+        marked = False
+        if not self.options.durable:
+            return fields, problems, marked
+        for key, value in found.items():
+            spec = DURABLE_BY_KEY.get(key)
+            if spec is None:
+                continue
+            if spec.field != "session_id":
+                marked = True
+            ok, converted = typed(value, spec.type)
+            if ok:
+                fields[spec.field] = converted
+            else:
+                problems[key] = f"{what} {key} must be {TYPE_WORDS[spec.type]}, got {type_word(value)}"
+        return fields, problems, marked
+
+    def _convert_span(self, span: Any, resource: _Resource, origin: str, seq_start: int, out: ConvertResult) -> None:
+        found: dict[str, AnyValue] = {}
+        wanted = self._wanted
+        for kv in span.attributes:
+            key = kv.key
+            if key in wanted:
+                found[key] = kv.value
+        if self._durable_keys and not self._durable_keys.isdisjoint(found):
+            own, problems, marked = self._durable_fields(found, "attribute")
+        else:
+            own, problems, marked = {}, {}, False
+
+        verdict: Verdict | None = None
+        telemetry_is_log = self.options.telemetry_is_log
+        for profile_verdict in self._verdicts:
+            verdict = profile_verdict(found, telemetry_is_log)
+            if verdict is not None:
+                break
+        if verdict is not None and verdict.kind == CONTAINER:
+            verdict = None
+
+        has_events = self.options.durable and len(span.events) > 0
+        if not (marked or verdict is not None or has_events):
+            return
+
+        session = self._session(own, found, resource, span)
+        if marked or verdict is not None:
+            if (
+                verdict is not None
+                and verdict.kind == "llm_call"
+                and not verdict.result_recorded
+                and self._scan_output_prefix
+                and any(kv.key.startswith(OI_OUTPUT_MESSAGES_PREFIX) for kv in span.attributes)
+            ):
+                verdict = Verdict(verdict.kind, verdict.tool_name, True)
+            action_id = _first_text(own, found, self._action_id_keys)
+            default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
+            item = self._build(
+                span,
+                resource=resource,
+                origin=origin,
+                own=own,
+                problems=list(problems.values()),
+                verdict=verdict,
+                session=session,
+                action_id=action_id,
+                default_status=default_status,
+                time_ns=span.start_time_unix_nano,
+                index=0,
+            )
+            _append(out, item, seq_start)
+
+        if not has_events:
+            return
+        # A mistyped durable.session.id on the span spoils the events that rely on it.
+        session_problem = problems.get(DURABLE_SESSION_KEY)
+        for index, event in enumerate(span.events, start=1):
+            if event.name != DURABLE_EVENT_NAME:
+                continue
+            event_found: dict[str, AnyValue] = {}
+            for kv in event.attributes:
+                if kv.key in DURABLE_BY_KEY:
+                    event_found[kv.key] = kv.value
+            event_own, event_problems, _ = self._durable_fields(event_found, "event attribute")
+            event_session = event_own.get("session_id") or session
+            action_id = event_own.get("action_id") or None
+            item = self._build(
+                span,
+                resource=resource,
+                origin=origin,
+                own=event_own,
+                problems=([session_problem] if session_problem and "session_id" not in event_own else [])
+                + list(event_problems.values()),
+                verdict=None,
+                session=event_session,
+                action_id=action_id,
+                default_status="ok",
+                time_ns=event.time_unix_nano or span.start_time_unix_nano,
+                index=index,
+            )
+            _append(out, item, seq_start)
+
+    def _session(self, own: dict[str, Any], found: dict[str, AnyValue], resource: _Resource, span: Any) -> str:
+        session = own.get("session_id")
+        if session:
+            return str(session)
+        session = resource.defaults.get("session_id")
+        if session:
+            return str(session)
+        for key in self._session_keys:
+            for source in (found, resource.found):
+                value = source.get(key)
+                if value is not None:
+                    candidate = text(value)
+                    if candidate:
+                        return candidate
+        # No session attribute anywhere: the trace is the session.
+        return bytes(span.trace_id).hex()
+
+    def _build(
+        self,
+        span: Any,
+        *,
+        resource: _Resource,
+        origin: str,
+        own: dict[str, Any],
+        problems: list[str],
+        verdict: Verdict | None,
+        session: str,
+        action_id: str | None,
+        default_status: str,
+        time_ns: int,
+        index: int,
+    ) -> Action | Malformed:
+        trace_id = bytes(span.trace_id)
+        span_id = bytes(span.span_id)
+        trace_hex = trace_id.hex()
+        span_hex = span_id.hex()
+        if resource.problems:
+            problems = resource.problems + problems
+        if len(trace_id) != 16 or trace_id == _ZERO_TRACE_ID:
+            problems.append(f"trace id must be 16 bytes, not all zero (got {len(trace_id)} bytes)")
+        if len(span_id) != 8 or span_id == _ZERO_SPAN_ID:
+            problems.append(f"span id must be 8 bytes, not all zero (got {len(span_id)} bytes)")
+
+        merged = {**resource.defaults, **own} if resource.defaults else own
+        kind = merged.get("kind")
+        if not kind and verdict is not None:
+            kind = verdict.kind
+            if kind == "tool_call" and verdict.tool_name:
+                kind = self._classifier.classify(verdict.tool_name) or kind
+        if not kind:
+            problems.append("no action kind: set durable.action.kind")
+
+        if problems:
+            name = span.name if len(span.name) <= _NAME_LIMIT else span.name[:_NAME_LIMIT] + "..."
+            where = f'span "{name}" (trace {trace_hex or "(none)"}, span {span_hex or "(none)"}' + (
+                f", event {index})" if index else ")"
+            )
+            return Malformed(
+                f"{where}: " + "; ".join(problems),
+                origin=origin,
+                session_id=session,
+                action_id=action_id or "",
+                trace_id=trace_hex,
+                span_id=span_hex,
+                source="span",
+                extra={"event_index": index} if index else {},
+            )
+
+        synthetic = not action_id
+        if not action_id:
+            action_id = f"span-{span_hex}" if index == 0 else f"span-{span_hex}-{index}"
+        record: Record = {
+            "session_id": session,
+            "action_id": action_id,
+            "kind": kind,
+            "status": merged.get("status") or default_status,
+        }
+        recorded = merged.get("result")
+        if recorded is True or (recorded is None and verdict is not None and verdict.result_recorded):
+            record["result"] = None
+        if merged:
+            # In the contract's field order, so records read the same whatever the attribute order.
+            for name in sorted(merged.keys() - IDENTITY_FIELDS, key=_FIELD_RANK.__getitem__):
+                record[name] = merged[name]
+        if time_ns:
+            record["time"] = self._format_time(time_ns)
+        record["trace_id"] = trace_hex
+        record["span_id"] = span_hex
+        if resource.service is not None:
+            record["service"] = resource.service
+        if resource.instance is not None:
+            record["instance"] = resource.instance
+        return Action(
+            record=record,
+            source="span",
+            origin=origin,
+            time_ns=time_ns or None,
+            delivery_key=(trace_hex, span_hex, index),
+            synthetic_action_id=synthetic,
+        )
+
+    def _format_time(self, time_ns: int) -> str:
+        second, fraction = divmod(time_ns, _NS_PER_S)
+        cached_second, prefix = self._last_second
+        if cached_second != second:
+            prefix = format_rfc3339(second * _NS_PER_S)[:-1]
+            self._last_second = (second, prefix)
+        if fraction:
+            return prefix + "." + f"{fraction:09d}".rstrip("0") + "Z"
+        return prefix + "Z"
+
+
+def _text_of(found: dict[str, AnyValue], key: str) -> str:
+    value = found.get(key)
+    return (text(value) or "") if value is not None else ""
+
+
+def _first_text(own: dict[str, Any], found: dict[str, AnyValue], keys: tuple[str, ...]) -> str | None:
+    action_id = own.get("action_id")
+    if action_id:
+        return str(action_id)
+    for key in keys:
+        value = found.get(key)
+        if value is not None:
+            candidate = text(value)
+            if candidate:
+                return candidate
+    return None
+
+
+def _append(out: ConvertResult, item: Action | Malformed, seq_start: int) -> None:
+    if isinstance(item, Action):
+        # Arrival order: the n-th action of this request gets seq_start + n.
+        item.seq = seq_start + len(out.actions)
+        out.actions.append(item)
+    else:
+        out.rejected.append(item)
+    out.items.append(item)

@@ -1,0 +1,49 @@
+"""RFC 3339 timestamps <-> Unix nanoseconds, exact to the nanosecond.
+
+``datetime`` keeps microseconds only and its parser rejects some RFC 3339 forms
+(nine fractional digits, a lowercase ``z``), so both directions are done by hand.
+"""
+
+from __future__ import annotations
+
+import calendar
+import re
+import time
+from typing import Final
+
+_NS_PER_S: Final = 1_000_000_000
+
+_RFC3339: Final = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9})\d*)?(?:([Zz])|([+-])(\d{2}):(\d{2}))"
+)
+
+
+def format_rfc3339(time_ns: int) -> str:
+    """UTC, fraction trimmed of trailing zeros: ``...T09:14:00Z``, ``...T09:14:00.25Z``."""
+    seconds, fraction = divmod(time_ns, _NS_PER_S)
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    if fraction:
+        text += "." + f"{fraction:09d}".rstrip("0")
+    return text + "Z"
+
+
+def parse_rfc3339(text: str) -> int | None:
+    """Unix nanoseconds of an RFC 3339 date-time, or None when ``text`` is not one."""
+    match = _RFC3339.fullmatch(text)
+    if match is None:
+        return None
+    year, month, day, hour, minute, second = (int(g) for g in match.group(1, 2, 3, 4, 5, 6))
+    if not (1 <= month <= 12 and 1 <= day <= calendar.monthrange(year, month)[1]):
+        return None
+    # 60 is a leap second; Unix time folds it onto the next second like every parser does.
+    if hour > 23 or minute > 59 or second > 60:
+        return None
+    seconds = calendar.timegm((year, month, day, hour, minute, 0, 0, 0, 0)) + second
+    if match.group(9) is not None:
+        offset_h, offset_m = int(match.group(10)), int(match.group(11))
+        if offset_h > 23 or offset_m > 59:
+            return None
+        offset = offset_h * 3600 + offset_m * 60
+        seconds -= offset if match.group(9) == "+" else -offset
+    fraction = match.group(7) or ""
+    return seconds * _NS_PER_S + (int(fraction.ljust(9, "0")) if fraction else 0)

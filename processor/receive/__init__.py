@@ -1,0 +1,1 @@
+"""Receive: where Actions come from (files offline, OTLP receivers when serving)."""

@@ -1,0 +1,250 @@
+"""Byte streams for the offline readers: chunked reading, gzip/zstd, lines, frames.
+
+Everything here is a generator over bounded chunks, so memory stays flat however
+large the input is. A compressed stream that ends early or turns corrupt raises
+:class:`StreamEnded` at the point where it happened; the readers turn that into a
+Malformed item after the last good line rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Final
+
+import zstandard
+
+CHUNK_SIZE: Final = 1 << 20
+GZIP_MAGIC: Final = b"\x1f\x8b"
+ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
+# zstd can expand a few bytes into a whole block of output; small feeds bound each step's output.
+_ZSTD_FEED: Final = 8 << 10
+
+
+class StreamEnded(Exception):
+    """The input stopped being readable part-way: ``truncated`` or a decode/read error."""
+
+    def __init__(self, reason: str, truncated: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.truncated = truncated
+
+
+def raw_chunks(handle: BinaryIO) -> Iterator[bytes]:
+    while True:
+        try:
+            chunk = handle.read(CHUNK_SIZE)
+        except OSError as exc:
+            raise StreamEnded(f"read failed ({exc.strerror or type(exc).__name__})", truncated=False) from None
+        if not chunk:
+            return
+        yield chunk
+
+
+def gunzip(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Every gzip member in turn (``cat a.gz b.gz`` is a valid gzip stream)."""
+    decoder = zlib.decompressobj(wbits=31)
+    pending_member = False
+    for chunk in chunks:
+        data = chunk
+        pending_member = pending_member or bool(data)
+        while True:
+            try:
+                # Bounded output: a small compressed chunk may expand enormously.
+                out = decoder.decompress(data, CHUNK_SIZE)
+            except zlib.error:
+                raise StreamEnded("not valid gzip data", truncated=False) from None
+            if out:
+                yield out
+            if decoder.eof:
+                data = decoder.unused_data
+                decoder = zlib.decompressobj(wbits=31)
+                pending_member = bool(data)
+                if not data:
+                    break
+                continue
+            data = decoder.unconsumed_tail
+            # A full output buffer may hide more output even when all input was taken.
+            if not data and len(out) < CHUNK_SIZE:
+                break
+    if pending_member:
+        # A member whose end marker never came: the file was cut short.
+        raise StreamEnded("gzip stream truncated", truncated=True)
+
+
+def unzstd(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Every zstd frame in turn."""
+    decompressor = zstandard.ZstdDecompressor()
+    decoder = decompressor.decompressobj()
+    pending_frame = False
+    for chunk in chunks:
+        view = memoryview(chunk)
+        offset = 0
+        while offset < len(view):
+            piece = bytes(view[offset : offset + _ZSTD_FEED])
+            offset += len(piece)
+            while piece:
+                pending_frame = True
+                try:
+                    out = decoder.decompress(piece)
+                except zstandard.ZstdError:
+                    raise StreamEnded("not valid zstd data", truncated=False) from None
+                if out:
+                    yield out
+                if decoder.eof:
+                    piece = decoder.unused_data
+                    decoder = decompressor.decompressobj()
+                    pending_frame = False
+                else:
+                    piece = b""
+    if pending_frame:
+        raise StreamEnded("zstd stream truncated", truncated=True)
+
+
+@dataclass(slots=True)
+class Peeked:
+    """The first bytes of a stream, and the whole stream (those bytes included)."""
+
+    head: bytes
+    chunks: Iterator[bytes]
+
+
+def peek(chunks: Iterator[bytes], size: int) -> Peeked:
+    """Read at least ``size`` bytes (fewer at the end) without losing them.
+
+    A StreamEnded raised while peeking is kept and raised again after the head is
+    replayed, so the reader reports it in its place. Corruption before the first
+    byte is raised at once: the input cannot be read at all.
+    """
+    head = bytearray()
+    ended: StreamEnded | None = None
+    try:
+        for chunk in chunks:
+            head += chunk
+            if len(head) >= size:
+                break
+    except StreamEnded as exc:
+        if not head and not exc.truncated:
+            raise
+        ended = exc
+    first = bytes(head)
+
+    def replay() -> Iterator[bytes]:
+        if first:
+            yield first
+        if ended is not None:
+            raise ended
+        yield from chunks
+
+    return Peeked(first, replay())
+
+
+@dataclass(slots=True)
+class TooLong:
+    """A line over the bound: skipped without being held in memory."""
+
+    size_at_least: int
+
+
+def lines(chunks: Iterator[bytes], max_line: int) -> Iterator[tuple[int, bytes | TooLong]]:
+    """(physical line number, line without its newline); a final unterminated line counts.
+
+    Raises StreamEnded after the last complete line when the input stops early;
+    ``StreamEnded.args`` is left as is, the caller knows the last line number it saw.
+    """
+    number = 0
+    buffer = bytearray()
+    skipping = 0  # bytes of an over-long line discarded so far; 0 when not skipping
+    for chunk in chunks:
+        start = 0
+        while True:
+            newline = chunk.find(b"\n", start)
+            if newline < 0:
+                break
+            number += 1
+            if skipping:
+                yield number, TooLong(skipping + newline - start)
+                skipping = 0
+            elif len(buffer) + newline - start > max_line:
+                yield number, TooLong(len(buffer) + newline - start)
+                buffer.clear()
+            elif buffer:
+                buffer += chunk[start:newline]
+                yield number, bytes(buffer)
+                buffer.clear()
+            else:
+                yield number, chunk[start:newline]
+            start = newline + 1
+        rest = len(chunk) - start
+        if skipping:
+            skipping += rest
+        elif len(buffer) + rest > max_line:
+            skipping = len(buffer) + rest
+            buffer.clear()
+        elif rest:
+            buffer += chunk[start:]
+    if skipping:
+        yield number + 1, TooLong(skipping)
+    elif buffer:
+        yield number + 1, bytes(buffer)
+
+
+@dataclass(slots=True)
+class Frame:
+    index: int  # 1-based message number
+    data: bytes | TooLong
+
+
+def frames(chunks: Iterator[bytes], max_message: int) -> Iterator[Frame]:
+    """Messages each preceded by a 4-byte big-endian length (the Collector file exporter).
+
+    Raises StreamEnded(truncated=True) when the input ends inside a length or a message.
+    """
+    buffer = bytearray()
+    index = 0
+    need: int | None = None  # length of the message being read; None while reading a length
+    skip = 0  # bytes of an oversized message still to discard
+    for chunk in chunks:
+        buffer += chunk
+        while True:
+            if skip:
+                dropped = min(skip, len(buffer))
+                del buffer[:dropped]
+                skip -= dropped
+                if skip:
+                    break
+                continue
+            if need is None:
+                if len(buffer) < 4:
+                    break
+                need = int.from_bytes(buffer[:4], "big")
+                del buffer[:4]
+                index += 1
+                if need > max_message:
+                    yield Frame(index, TooLong(need))
+                    skip, need = need, None
+                    continue
+            if len(buffer) < need:
+                break
+            yield Frame(index, bytes(buffer[:need]))
+            del buffer[:need]
+            need = None
+    if skip or need is not None or buffer:
+        raise StreamEnded(
+            f"input truncated in message {index + (0 if need is not None or skip else 1)}", truncated=True
+        )
+
+
+def read_bounded(chunks: Iterator[bytes], limit: int) -> bytes | TooLong:
+    """The whole stream, or TooLong once it passes ``limit`` (the rest is drained, not kept)."""
+    data = bytearray()
+    for chunk in chunks:
+        data += chunk
+        if len(data) > limit:
+            size = len(data)
+            data.clear()
+            for more in chunks:
+                size += len(more)
+            return TooLong(size)
+    return bytes(data)

@@ -1,0 +1,378 @@
+"""Offline readers: a file (or stdin) of action-log lines or OTLP spans, as Actions.
+
+Formats, detected from the first bytes unless named:
+
+- ``actions``: the durable-sessions skill's JSONL action log;
+- ``otlp-json-lines``: one ExportTraceServiceRequest/TracesData JSON object per line
+  (the Collector's file exporter);
+- ``otlp-json``: one such JSON document, possibly pretty-printed;
+- ``otlp-proto``: one serialized ExportTraceServiceRequest;
+- ``otlp-proto-stream``: serialized messages each preceded by its length as a 4-byte
+  big-endian integer (the Collector's file exporter with ``format: proto``).
+
+Any of them may be gzip- or zstd-compressed (detected by magic bytes). Reading is
+streaming: a bad line or message becomes a Malformed item naming its place and
+reading goes on; only an input that cannot be read at all raises InputError.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any, BinaryIO, Final
+
+import orjson
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from processor.convert.actionlog import parse_line
+from processor.convert.otlp_json import OtlpJsonError, decode_traces
+from processor.convert.spans import SpanConverter
+from processor.errors import InputError
+from processor.receive._streams import (
+    GZIP_MAGIC,
+    ZSTD_MAGIC,
+    StreamEnded,
+    TooLong,
+    frames,
+    gunzip,
+    lines,
+    peek,
+    raw_chunks,
+    read_bounded,
+    unzstd,
+)
+from processor.records import Action, Malformed
+
+FORMATS: Final = ("actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream")
+DEFAULT_MAX_LINE_BYTES: Final = 16 << 20
+DEFAULT_MAX_MESSAGE_BYTES: Final = 64 << 20
+STDIN: Final = "-"
+
+# Enough to see a first line of ordinary size, or that the first line is a long one.
+_DETECT_BYTES: Final = 64 << 10
+_UTF8_BOM: Final = b"\xef\xbb\xbf"
+_WHITESPACE: Final = b" \t\r\n"
+_OTLP_KEYS: Final = (b'"resourceSpans"', b'"resource_spans"')
+# Every byte a text file may hold; what remains after deleting them marks binary data.
+_TEXT_BYTES: Final = bytes([9, 10, 13, *range(0x20, 0x100)])
+# A stream's first length prefix above this is not a length but text.
+_STREAM_LENGTH_LIMIT: Final = 1 << 30
+_TRACE_KEYS: Final = ("resourceSpans", "resource_spans")
+_OTHER_SIGNAL_KEYS: Final = ("resourceLogs", "resourceMetrics", "resourceProfiles", "resource_logs", "resource_metrics")
+
+Item = Action | Malformed
+
+
+def read_input(
+    path: str,
+    input_format: str | None = None,
+    converter: SpanConverter | None = None,
+    *,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> Iterator[Item]:
+    """Items of ``path`` (``-`` is stdin) in file order.
+
+    The input is opened and its format detected before this returns, so an
+    unreadable input raises InputError here, not half-way through a report.
+    """
+    if input_format is not None and input_format not in FORMATS:
+        raise InputError(f"unknown input format {input_format!r}; use one of {', '.join(FORMATS)}")
+    origin = "<stdin>" if path == STDIN else path
+    handle = _open(path, origin)
+    try:
+        try:
+            peeked = peek(raw_chunks(handle), len(ZSTD_MAGIC))
+            chunks = peeked.chunks
+            if peeked.head.startswith(GZIP_MAGIC):
+                chunks = gunzip(chunks)
+            elif peeked.head.startswith(ZSTD_MAGIC):
+                chunks = unzstd(chunks)
+            content = peek(chunks, _DETECT_BYTES)
+        except StreamEnded as exc:
+            raise InputError(f"{origin}: {exc.reason}") from None
+        chosen = input_format or _detect(content.head, origin)
+    except BaseException:
+        _close(handle, path)
+        raise
+    return _items(
+        handle,
+        path,
+        input_format=chosen,
+        chunks=content.chunks,
+        origin=origin,
+        converter=converter or SpanConverter(),
+        max_line=max_line_bytes,
+        max_message=max_message_bytes,
+    )
+
+
+def _open(path: str, origin: str) -> BinaryIO:
+    if path == STDIN:
+        return sys.stdin.buffer
+    try:
+        return open(path, "rb")  # closed by the generator that reads it
+    except OSError as exc:
+        raise InputError(f"{origin}: cannot open ({exc.strerror or type(exc).__name__})") from None
+
+
+def _close(handle: BinaryIO, path: str) -> None:
+    if path != STDIN:
+        handle.close()
+
+
+def _detect(head: bytes, origin: str) -> str:
+    text = head[len(_UTF8_BOM) :] if head.startswith(_UTF8_BOM) else head
+    stripped = text.lstrip(_WHITESPACE)
+    if not stripped or stripped[:1] == b"#":
+        return "actions"
+    if stripped[:1] == b"{":
+        return _detect_json(stripped, complete=len(head) < _DETECT_BYTES)
+    binary = _looks_binary(text)
+    # A serialized request opens with field 1 (resource_spans), length-delimited: byte 0x0a.
+    if binary and text[:1] == b"\n":
+        return "otlp-proto"
+    if binary and len(text) >= 5 and text[4:5] == b"\n" and int.from_bytes(text[:4], "big") < _STREAM_LENGTH_LIMIT:
+        return "otlp-proto-stream"
+    if binary:
+        raise InputError(
+            f"{origin}: binary data that is not an action log, OTLP JSON or OTLP protobuf (nor gzip or zstd)"
+        )
+    # Text that is not JSON: read as an action log, so each line gets its own clear message.
+    return "actions"
+
+
+def _detect_json(text: bytes, complete: bool) -> str:
+    newline = text.find(b"\n")
+    first_line = text if newline < 0 else text[:newline]
+    if newline >= 0 or complete:
+        try:
+            first = orjson.loads(first_line)
+        except orjson.JSONDecodeError:
+            # A first line that is not a whole JSON value: a pretty-printed document.
+            return "otlp-json" if any(key in text for key in _OTLP_KEYS) else "actions"
+        if isinstance(first, dict) and any(key in first for key in _TRACE_KEYS):
+            return "otlp-json-lines"
+        return "actions"
+    # One long first line: an OTLP export line if it opens like one (one document on one
+    # line reads the same either way).
+    return "otlp-json-lines" if any(key in first_line[:4096] for key in _OTLP_KEYS) else "actions"
+
+
+def _looks_binary(data: bytes) -> bool:
+    """Control bytes (other than tab, newline, carriage return) or invalid UTF-8: not text."""
+    return bool(data.translate(None, _TEXT_BYTES)) or not _is_utf8(data)
+
+
+def _is_utf8(data: bytes) -> bool:
+    # The head may end inside a multi-byte character; forgive up to three trailing bytes.
+    for cut in range(4):
+        try:
+            data[: len(data) - cut].decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            continue
+    return False
+
+
+def _items(
+    handle: BinaryIO,
+    path: str,
+    *,
+    input_format: str,
+    chunks: Iterator[bytes],
+    origin: str,
+    converter: SpanConverter,
+    max_line: int,
+    max_message: int,
+) -> Iterator[Item]:
+    try:
+        if input_format == "actions":
+            yield from _read_actions(chunks, origin, max_line)
+        elif input_format == "otlp-json-lines":
+            yield from _read_json_lines(chunks, origin, converter, max_line)
+        elif input_format == "otlp-json":
+            yield from _read_json_document(chunks, origin, converter, max_message)
+        elif input_format == "otlp-proto":
+            yield from _read_proto(chunks, origin, converter, max_message)
+        else:
+            yield from _read_proto_stream(chunks, origin, converter, max_message)
+    finally:
+        _close(handle, path)
+
+
+def _ended(exc: StreamEnded, origin: str, last_line: int) -> Malformed:
+    if exc.truncated:
+        message = f"input truncated after line {last_line}"
+    else:
+        message = f"input unreadable after line {last_line}: {exc.reason}"
+    return Malformed(message, origin=origin, line=last_line + 1)
+
+
+def _too_long(what: str, size: TooLong, limit: int) -> str:
+    return f"{what} is longer than {limit} bytes (at least {size.size_at_least}); skipped"
+
+
+def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterator[Item]:
+    seq = 0
+    last = 0
+    try:
+        for number, raw in lines(chunks, max_line):
+            last = number
+            if isinstance(raw, TooLong):
+                yield Malformed(_too_long("line", raw, max_line), origin=origin, line=number)
+                continue
+            item = parse_line(raw, origin, number, seq)
+            if item is not None:
+                if isinstance(item, Action):
+                    seq += 1
+                yield item
+    except StreamEnded as exc:
+        yield _ended(exc, origin, last)
+
+
+def _converted(converter: SpanConverter, traces: Any, origin: str, seq: int, line: int | None) -> Iterator[Item]:
+    for item in converter.convert(traces, origin, seq).items:
+        item.line = line
+        yield item
+
+
+def _decoded(converter: SpanConverter, document: Any, origin: str, seq: int, line: int | None) -> Iterator[Item]:
+    """Spans of one OTLP/JSON object, after one Malformed per part that did not decode."""
+    if isinstance(document, dict) and not any(key in document for key in _TRACE_KEYS):
+        # The Collector may write other signals to the same file: those are not ours to judge.
+        if not any(key in document for key in _OTHER_SIGNAL_KEYS):
+            yield Malformed("not an OTLP trace export: no resourceSpans", origin=origin, line=line, source="span")
+        return
+    try:
+        traces, problems = decode_traces(document, keep=converter.reads_attribute)
+    except OtlpJsonError as exc:
+        yield Malformed(f"not an OTLP trace export: {exc}", origin=origin, line=line, source="span")
+        return
+    for problem in problems:
+        yield Malformed(problem, origin=origin, line=line, source="span")
+    yield from _converted(converter, traces, origin, seq, line)
+
+
+def _json_error(exc: orjson.JSONDecodeError) -> str:
+    if "UTF-8" in exc.msg:
+        return "not valid UTF-8"
+    return f"not valid JSON ({exc.msg}) at line {exc.lineno} column {exc.colno}"
+
+
+def _read_json_lines(chunks: Iterator[bytes], origin: str, converter: SpanConverter, max_line: int) -> Iterator[Item]:
+    seq = 0
+    last = 0
+    try:
+        for number, raw in lines(chunks, max_line):
+            last = number
+            if isinstance(raw, TooLong):
+                yield Malformed(_too_long("line", raw, max_line), origin=origin, line=number, source="span")
+                continue
+            if not raw.strip():
+                continue
+            try:
+                document = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                message = _json_error(exc).replace(" at line 1 column", " at column")
+                yield Malformed(message, origin=origin, line=number, source="span")
+                continue
+            for item in _decoded(converter, document, origin, seq, number):
+                seq += isinstance(item, Action)
+                yield item
+    except StreamEnded as exc:
+        yield _ended(exc, origin, last)
+
+
+def _read_whole(chunks: Iterator[bytes], origin: str, max_message: int, what: str) -> bytes | Malformed:
+    try:
+        data = read_bounded(chunks, max_message)
+    except StreamEnded as exc:
+        reason = "input truncated" if exc.truncated else f"input unreadable: {exc.reason}"
+        return Malformed(f"{reason}; the {what} cannot be read", origin=origin, source="span")
+    if isinstance(data, TooLong):
+        return Malformed(_too_long(f"the {what}", data, max_message), origin=origin, source="span")
+    return data
+
+
+def _read_json_document(
+    chunks: Iterator[bytes], origin: str, converter: SpanConverter, max_message: int
+) -> Iterator[Item]:
+    data = _read_whole(chunks, origin, max_message, "document")
+    if isinstance(data, Malformed):
+        yield data
+        return
+    if not data.strip():
+        return
+    try:
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        yield Malformed(_json_error(exc), origin=origin, line=exc.lineno, source="span")
+        return
+    yield from _decoded(converter, document, origin, 0, None)
+
+
+def _parse_request(data: bytes, index: int, origin: str) -> Any:
+    try:
+        request = ExportTraceServiceRequest.FromString(data)
+    except DecodeError:
+        return Malformed(
+            f"message {index}: not a valid OTLP protobuf trace export ({len(data)} bytes)",
+            origin=origin,
+            source="span",
+            extra={"message_index": index},
+        )
+    if data and not len(request.resource_spans):
+        # Bytes that happen to parse as unknown fields: nothing of OTLP in them.
+        return Malformed(
+            f"message {index}: {len(data)} bytes hold no OTLP resource spans",
+            origin=origin,
+            source="span",
+            extra={"message_index": index},
+        )
+    return request
+
+
+def _read_proto(chunks: Iterator[bytes], origin: str, converter: SpanConverter, max_message: int) -> Iterator[Item]:
+    data = _read_whole(chunks, origin, max_message, "message")
+    if isinstance(data, Malformed):
+        yield data
+        return
+    if not data:
+        return
+    request = _parse_request(data, 1, origin)
+    if isinstance(request, Malformed):
+        yield request
+        return
+    yield from _converted(converter, request, origin, 0, None)
+
+
+def _read_proto_stream(
+    chunks: Iterator[bytes], origin: str, converter: SpanConverter, max_message: int
+) -> Iterator[Item]:
+    seq = 0
+    try:
+        for frame in frames(chunks, max_message):
+            if isinstance(frame.data, TooLong):
+                yield Malformed(
+                    f"message {frame.index} is longer than {max_message} bytes ({frame.data.size_at_least}); skipped",
+                    origin=origin,
+                    source="span",
+                    extra={"message_index": frame.index},
+                )
+                continue
+            request = _parse_request(frame.data, frame.index, origin)
+            if isinstance(request, Malformed):
+                yield request
+                continue
+            for item in _converted(converter, request, origin, seq, None):
+                seq += isinstance(item, Action)
+                yield item
+    except StreamEnded as exc:
+        yield Malformed(
+            exc.reason if exc.truncated else f"input unreadable: {exc.reason}", origin=origin, source="span"
+        )
+
+
+__all__ = ["DEFAULT_MAX_LINE_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "FORMATS", "STDIN", "read_input"]

@@ -1,0 +1,443 @@
+"""read_input: every file format, compression, streaming, and every kind of bad input."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import struct
+import sys
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import zstandard
+
+from processor.convert import ConvertOptions, SpanConverter, decode_traces
+from processor.errors import InputError
+from processor.receive._streams import frames, lines
+from processor.receive.files import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, FORMATS, read_input
+from processor.records import Action, Malformed
+from tests._spans import TESTDATA, check_golden, golden_lines, otlp_json_from_request, reference_request
+
+READERS = TESTDATA / "readers"
+SPAN_FILES = {
+    "otlp-json-lines": "spans.otlp.jsonl",
+    "otlp-json": "spans.otlp.json",
+    "otlp-proto": "spans.pb",
+    "otlp-proto-stream": "spans.pbstream",
+}
+
+
+def _read(
+    path: Path | str,
+    input_format: str | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> list[Action | Malformed]:
+    return list(read_input(str(path), input_format, max_line_bytes=max_line_bytes, max_message_bytes=max_message_bytes))
+
+
+def _malformed(items: list[Action | Malformed]) -> list[Malformed]:
+    return [item for item in items if isinstance(item, Malformed)]
+
+
+@pytest.mark.parametrize("input_format", sorted(SPAN_FILES))
+def test_span_formats_match_the_golden_file(input_format: str) -> None:
+    path = READERS / SPAN_FILES[input_format]
+    items = _read(path)
+    check_golden(READERS / "spans.golden.jsonl", items)
+    assert golden_lines(_read(path, input_format)) == golden_lines(items), "detection chose the wrong format"
+    assert all(item.origin == str(path) for item in items)
+
+
+def test_actions_match_the_golden_file() -> None:
+    items = _read(READERS / "actions.jsonl")
+    check_golden(READERS / "actions.golden.jsonl", items)
+    assert [item.seq for item in items if isinstance(item, Action)] == list(range(5))
+
+
+@pytest.mark.parametrize("name", ["actions.jsonl", *SPAN_FILES.values()])
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+def test_compression_is_transparent(tmp_path: Path, name: str, compression: str) -> None:
+    data = (READERS / name).read_bytes()
+    packed = gzip.compress(data) if compression == "gzip" else zstandard.ZstdCompressor().compress(data)
+    target = tmp_path / f"{name}.{compression}"
+    target.write_bytes(packed)
+    assert golden_lines(_read(target)) == golden_lines(_read(READERS / name))
+
+
+def test_concatenated_gzip_members_and_zstd_frames_are_read_in_full(tmp_path: Path) -> None:
+    lines = (READERS / "actions.jsonl").read_bytes().splitlines(keepends=True)
+    half = len(lines) // 2
+    head, tail = b"".join(lines[:half]), b"".join(lines[half:])
+    expected = golden_lines(_read(READERS / "actions.jsonl"))
+    (tmp_path / "a.gz").write_bytes(gzip.compress(head) + gzip.compress(tail))
+    compressor = zstandard.ZstdCompressor()
+    (tmp_path / "a.zst").write_bytes(compressor.compress(head) + compressor.compress(tail))
+    assert golden_lines(_read(tmp_path / "a.gz")) == expected
+    assert golden_lines(_read(tmp_path / "a.zst")) == expected
+
+
+def test_json_lines_carry_their_line_numbers(tmp_path: Path) -> None:
+    lines = (READERS / "spans.otlp.jsonl").read_bytes().splitlines()
+    target = tmp_path / "spans.jsonl"
+    target.write_bytes(
+        lines[0]
+        + b"\n\n{broken\n"
+        + b'["not an object"]\n'
+        + lines[1]
+        + b'\n{"resourceMetrics":[]}\n{"session_id":"s"}\n'
+    )
+    items = _read(target)
+    first = orjson.loads(lines[0])
+    first_line_items = [item for item in items if item.line == 1]
+    assert first_line_items and all(isinstance(i, (Action, Malformed)) for i in first_line_items)
+    by_line = {item.line: item for item in _malformed(items) if item.line in (3, 4)}
+    assert by_line[3].message.startswith("not valid JSON (") and "at column" in by_line[3].message
+    assert by_line[4].message == "not an OTLP trace export: document: must be an object, got an array"
+    assert [m.line for m in _malformed(items) if m.line and m.line > 5] == [7]  # metrics are skipped silently
+    assert [m.message for m in _malformed(items) if m.line == 7] == ["not an OTLP trace export: no resourceSpans"]
+    assert {item.line for item in items if isinstance(item, Action)} == {1, 5}
+    assert len(first["resourceSpans"]) == 2
+
+
+def test_a_bad_span_in_otlp_json_is_reported_and_the_rest_kept(tmp_path: Path) -> None:
+    document = orjson.loads((READERS / "spans.otlp.json").read_bytes())
+    spans = document["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    spans[0]["traceId"] = "not-hex"
+    spans[1]["attributes"][0]["value"] = {"intValue": "twelve"}
+    target = tmp_path / "bad.json"
+    target.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
+    good = _read(READERS / "spans.otlp.json")
+    items = _read(target)
+    problems = [m.message for m in _malformed(items)]
+    assert 'resourceSpans[0].scopeSpans[0].spans[0].traceId: must be 32 hex digits (span "ask traveller")' in problems
+    assert (
+        "resourceSpans[0].scopeSpans[0].spans[1].attributes[0].value.intValue: must be an integer or a decimal string"
+        ' (span "charge card")'
+    ) in problems
+    assert len([i for i in items if isinstance(i, Action)]) == len([i for i in good if isinstance(i, Action)]) - 2
+
+
+def test_otlp_json_accepts_snake_case_numbers_and_enum_names(tmp_path: Path) -> None:
+    document = {
+        "resource_spans": [
+            {
+                "resource": {"attributes": [{"key": "service.name", "value": {"string_value": "svc"}}]},
+                "scope_spans": [
+                    {
+                        "spans": [
+                            {
+                                "trace_id": "5b8efff798038103d269b633813fc60c",
+                                "span_id": "00f067aa0ba902b7",
+                                "name": "pay",
+                                "kind": "SPAN_KIND_CLIENT",
+                                "start_time_unix_nano": 1_793_524_440_000_000_000,
+                                "attributes": [
+                                    {"key": "durable.action.kind", "value": {"string_value": "payment"}},
+                                    {"key": "durable.retry.attempt", "value": {"int_value": 2}},
+                                    {"key": "future.field", "value": {"someNewValue": 1}},
+                                ],
+                                "status": {"code": "STATUS_CODE_ERROR"},
+                                "aNewerField": {"ignored": True},
+                            }
+                        ]
+                    }
+                ],
+            }
+        ]
+    }
+    target = tmp_path / "snake.json"
+    target.write_bytes(orjson.dumps(document))
+    (item,) = _read(target)
+    assert isinstance(item, Action)
+    assert item.record["attempts"] == 2 and item.record["status"] == "error" and item.record["service"] == "svc"
+
+
+def test_protobuf_json_from_a_real_request_round_trips(tmp_path: Path) -> None:
+    proto = reference_request((READERS / "spans.otlp.json").read_bytes())
+    target = tmp_path / "round.json"
+    target.write_bytes(otlp_json_from_request(proto))
+    assert golden_lines(_read(target)) == golden_lines(_read(READERS / "spans.pb"))
+
+
+def test_truncated_gzip_ends_with_a_malformed_item(tmp_path: Path) -> None:
+    body = b"".join(
+        orjson.dumps({"session_id": "s", "action_id": f"a{i}", "kind": "write", "status": "ok", "pad": "x" * 200})
+        + b"\n"
+        for i in range(2000)
+    )
+    packed = gzip.compress(body, compresslevel=1)
+    target = tmp_path / "cut.jsonl.gz"
+    target.write_bytes(packed[: len(packed) // 2])
+    items = _read(target)
+    *actions, last = items
+    assert actions and all(isinstance(item, Action) for item in actions)
+    assert isinstance(last, Malformed)
+    assert last.message == f"input truncated after line {len(actions)}"
+    assert last.line == len(actions) + 1
+
+
+def test_truncated_zstd_ends_with_a_malformed_item(tmp_path: Path) -> None:
+    body = b"".join(
+        orjson.dumps({"session_id": "s", "action_id": f"a{i}", "kind": "write", "status": "ok"}) + b"\n"
+        for i in range(5000)
+    )
+    packed = zstandard.ZstdCompressor().compress(body)
+    target = tmp_path / "cut.jsonl.zst"
+    target.write_bytes(packed[: len(packed) - 20])
+    items = _read(target)
+    assert isinstance(items[-1], Malformed)
+    assert items[-1].message.startswith("input truncated after line ")
+    assert 0 < len(items) - 1 < 5000
+
+
+def test_gzip_that_is_not_gzip_cannot_be_read(tmp_path: Path) -> None:
+    target = tmp_path / "fake.gz"
+    target.write_bytes(b"\x1f\x8b" + b"this is not deflate data at all" * 10)
+    with pytest.raises(InputError, match=r"fake\.gz: not valid gzip data"):
+        read_input(str(target))
+
+
+def test_zstd_that_is_not_zstd_cannot_be_read(tmp_path: Path) -> None:
+    target = tmp_path / "fake.zst"
+    target.write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(64))
+    with pytest.raises(InputError, match=r"fake\.zst: not valid zstd data"):
+        read_input(str(target))
+
+
+def test_binary_garbage_cannot_be_read(tmp_path: Path) -> None:
+    target = tmp_path / "garbage.bin"
+    target.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    with pytest.raises(InputError, match="binary data that is not an action log, OTLP JSON or OTLP protobuf"):
+        read_input(str(target))
+
+
+def test_missing_file_and_directory_cannot_be_read(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"nope\.jsonl: cannot open \(No such file or directory\)"):
+        read_input(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(InputError, match="cannot open"):
+        read_input(str(tmp_path))
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_file_cannot_be_read(tmp_path: Path) -> None:
+    target = tmp_path / "secret.jsonl"
+    target.write_bytes(b"{}\n")
+    target.chmod(0)
+    with pytest.raises(InputError, match="Permission denied"):
+        read_input(str(target))
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")
+def test_a_file_that_fails_on_first_read_cannot_be_read() -> None:
+    # The first page of a process's memory is never mapped: reading it fails with EIO.
+    with pytest.raises(InputError, match=r"/proc/self/mem: read failed \(Input/output error\)"):
+        read_input("/proc/self/mem")
+
+
+def test_unknown_format_name_is_refused() -> None:
+    with pytest.raises(InputError, match="unknown input format 'csv'; use one of actions, "):
+        read_input(str(READERS / "actions.jsonl"), "csv")
+    assert FORMATS == ("actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream")
+
+
+def test_invalid_utf8_line_is_malformed_and_reading_goes_on(tmp_path: Path) -> None:
+    target = tmp_path / "latin1.jsonl"
+    good = b'{"session_id":"s","action_id":"a","kind":"write","status":"ok"}'
+    target.write_bytes(good + b"\n" + b'{"session_id":"s\xe9","action_id":"b","kind":"write","status":"ok"}\n' + good)
+    items = _read(target)
+    assert [type(item).__name__ for item in items] == ["Action", "Malformed", "Action"]
+    assert items[1].line == 2 and isinstance(items[1], Malformed) and items[1].message == "line is not valid UTF-8"
+
+
+def test_a_100_mb_line_is_skipped_without_being_held(tmp_path: Path) -> None:
+    target = tmp_path / "huge.jsonl"
+    good = b'{"session_id":"s","action_id":"a","kind":"write","status":"ok"}\n'
+    with target.open("wb") as handle:
+        handle.write(good)
+        handle.write(b'{"session_id":"s","action_id":"b","kind":"write","status":"ok","blob":"')
+        block = b"x" * (1 << 20)
+        for _ in range(100):
+            handle.write(block)
+        handle.write(b'"}\n')
+        handle.write(good.replace(b'"a"', b'"c"'))
+    tracemalloc.start()
+    try:
+        items = _read(target, max_line_bytes=4 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [type(item).__name__ for item in items] == ["Action", "Malformed", "Action"]
+    assert items[1].line == 2 and items[2].line == 3
+    assert isinstance(items[1], Malformed)
+    assert items[1].message.startswith("line is longer than 4194304 bytes (at least 1048")
+    assert peak < 16 << 20, f"peak {peak} bytes: the long line was held in memory"
+
+
+def test_a_long_last_line_without_newline_is_skipped(tmp_path: Path) -> None:
+    target = tmp_path / "tail.jsonl"
+    target.write_bytes(b'{"session_id":"s","action_id":"a","kind":"write","status":"ok"}\n' + b"y" * 5000)
+    items = _read(target, max_line_bytes=1000)
+    assert isinstance(items[-1], Malformed) and items[-1].line == 2 and "longer than 1000 bytes" in items[-1].message
+
+
+def test_garbage_bytes_as_otlp_proto_are_malformed(tmp_path: Path) -> None:
+    target = tmp_path / "garbage.pb"
+    target.write_bytes(b"\n\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01garbage")
+    (item,) = _read(target)  # detected as otlp-proto from its first byte
+    assert isinstance(item, Malformed)
+    assert item.message == f"message 1: not a valid OTLP protobuf trace export ({target.stat().st_size} bytes)"
+    other = tmp_path / "text.pb"
+    other.write_bytes(b"\x08\x01\x10\x02")  # parses, but as unknown fields only
+    (item,) = _read(other, "otlp-proto")
+    assert isinstance(item, Malformed) and item.message == "message 1: 4 bytes hold no OTLP resource spans"
+
+
+def test_proto_stream_bad_oversized_and_truncated_messages(tmp_path: Path) -> None:
+    stream = (READERS / "spans.pbstream").read_bytes()
+    first_len = struct.unpack(">I", stream[:4])[0]
+    first = stream[: 4 + first_len]
+    garbage = b"\xff" * 12
+    oversized = b"\n" + b"\x00" * 3000
+    target = tmp_path / "mixed.pbstream"
+    target.write_bytes(
+        first
+        + struct.pack(">I", len(garbage))
+        + garbage
+        + struct.pack(">I", len(oversized))
+        + oversized
+        + first
+        + struct.pack(">I", 500)
+        + b"\n" * 100
+    )
+    items = _read(target, max_message_bytes=2048)
+    messages = [m.message for m in _malformed(items)]
+    assert "message 2: not a valid OTLP protobuf trace export (12 bytes)" in messages
+    assert "message 3 is longer than 2048 bytes (3001); skipped" in messages
+    assert messages[-1] == "input truncated in message 5"
+    single = _read(tmp_path / "mixed.pbstream", max_message_bytes=2048)
+    once = _read(READERS / "spans.pbstream")
+    first_message_actions = [i for i in once if isinstance(i, Action)][
+        : len([i for i in single if isinstance(i, Action)]) // 2
+    ]
+    assert [i.record for i in single if isinstance(i, Action)] == [a.record for a in first_message_actions] * 2
+
+
+def test_proto_stream_cut_inside_a_length_prefix(tmp_path: Path) -> None:
+    stream = (READERS / "spans.pbstream").read_bytes()
+    target = tmp_path / "cut.pbstream"
+    first_len = struct.unpack(">I", stream[:4])[0]
+    target.write_bytes(stream[: 4 + first_len + 2])
+    items = _read(target)
+    assert isinstance(items[-1], Malformed) and items[-1].message == "input truncated in message 2"
+
+
+def test_empty_and_whitespace_inputs_hold_nothing(tmp_path: Path) -> None:
+    for content in (b"", b"\n\n  \n", b"# only a comment\n"):
+        target = tmp_path / "empty"
+        target.write_bytes(content)
+        assert _read(target) == []
+
+
+def test_text_that_is_not_json_is_read_as_an_action_log(tmp_path: Path) -> None:
+    target = tmp_path / "notes.txt"
+    # A leading newline is byte 0x0a, as a serialized request starts: text must still read as text.
+    target.write_bytes(b"\nhello\nworld\n")
+    items = _read(target)
+    assert [(m.line, m.message.split(" (")[0]) for m in _malformed(items)] == [
+        (2, "not valid JSON"),
+        (3, "not valid JSON"),
+    ]
+
+
+def test_stdin_is_read_as_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = gzip.compress((READERS / "actions.jsonl").read_bytes())
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    items = list(read_input("-"))
+    assert golden_lines(items) == golden_lines(_read(READERS / "actions.jsonl"))
+    assert {item.origin for item in items} == {"<stdin>"}
+
+
+def test_the_converter_given_is_used() -> None:
+    only_durable = SpanConverter(ConvertOptions(genai=False, openinference=False, openllmetry=False))
+    kinds = {
+        i.record["kind"] for i in read_input(str(READERS / "spans.pb"), converter=only_durable) if isinstance(i, Action)
+    }
+    default_kinds = {i.record["kind"] for i in _read(READERS / "spans.pb") if isinstance(i, Action)}
+    # Model calls come only from the GenAI profile; the durable spans remain.
+    assert "llm_call" in default_kinds and "llm_call" not in kinds
+    assert {"payment", "approval", "checkpoint", "email"} <= kinds
+
+
+def test_reading_is_lazy_and_closes_the_file(tmp_path: Path) -> None:
+    target = tmp_path / "many.jsonl"
+    line = b'{"session_id":"s","action_id":"a","kind":"write","status":"ok"}\n'
+    target.write_bytes(line * 50_000)
+    iterator = read_input(str(target))
+    first = next(iterator)
+    assert isinstance(first, Action) and first.line == 1
+    iterator.close()  # type: ignore[attr-defined]
+    count = sum(1 for _ in read_input(str(target)))
+    assert count == 50_000
+
+
+def _chunked(data: bytes, size: int) -> Iterator[bytes]:
+    return iter([data[i : i + size] for i in range(0, len(data), size)])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 7, 64])
+def test_line_splitting_does_not_depend_on_chunk_boundaries(chunk_size: int) -> None:
+    data = b"one\r\n\ntwo two\n" + b"z" * 20 + b"\nlast-without-newline"
+    result = [
+        (number, raw if isinstance(raw, bytes) else ("too long", raw.size_at_least))
+        for number, raw in lines(_chunked(data, chunk_size), max_line=10)
+    ]
+    assert result == [
+        (1, b"one\r"),
+        (2, b""),
+        (3, b"two two"),
+        (4, ("too long", 20)),
+        (5, ("too long", 20)),
+    ]
+    exact = [raw for _, raw in lines(_chunked(b"0123456789\n", chunk_size), max_line=10)]
+    assert exact == [b"0123456789"]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 5, 1000])
+def test_frames_do_not_depend_on_chunk_boundaries(chunk_size: int) -> None:
+    data = b"".join(struct.pack(">I", len(body)) + body for body in (b"abc", b"", b"x" * 40, b"defg"))
+    result = [
+        (frame.index, frame.data if isinstance(frame.data, bytes) else "too long")
+        for frame in frames(_chunked(data, chunk_size), max_message=10)
+    ]
+    assert result == [(1, b"abc"), (2, b""), (3, "too long"), (4, b"defg")]
+
+
+def test_attributes_nobody_reads_do_not_spoil_a_json_span(tmp_path: Path) -> None:
+    document = orjson.loads((READERS / "spans.otlp.json").read_bytes())
+    span = document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["attributes"].append({"key": "app.counter", "value": {"intValue": "not a number"}})
+    target = tmp_path / "noise.json"
+    target.write_bytes(orjson.dumps(document))
+    assert golden_lines(_read(target)) == golden_lines(_read(READERS / "spans.otlp.json"))
+    # Decoding everything (as a receiver that forwards spans must) still finds the bad value.
+    _, problems = decode_traces(document)
+    assert problems == [
+        "resourceSpans[0].scopeSpans[0].spans[0].attributes[5].value.intValue: must be an integer or a decimal string"
+        ' (span "ask traveller")'
+    ]
+
+
+def test_flattened_model_replies_survive_json_decoding_when_telemetry_is_the_log() -> None:
+    converter = SpanConverter(ConvertOptions(telemetry_is_log=True))
+    path = str(TESTDATA / "convert" / "openinference.otlp.json")
+    items = list(read_input(path, converter=converter))
+    chat = [i.record for i in items if isinstance(i, Action) and i.record["kind"] == "llm_call"]
+    assert chat and all("result" in record for record in chat)
+    assert not any(
+        "result" in i.record for i in _read(path) if isinstance(i, Action) and i.record["kind"] == "llm_call"
+    )

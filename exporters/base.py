@@ -1,0 +1,356 @@
+"""The exporter interface and the bounded retry queue every network exporter uses.
+
+An exporter must never slow down or break the pipeline: ``export()`` hands items to a
+bounded queue and returns at once; a worker thread of the exporter's own delivers them
+with capped exponential backoff and jitter. When the queue is full the *oldest* queued
+item is dropped (the newest violations are the most actionable, and the oldest have
+already waited longest on a failing endpoint); every drop is counted in
+``exporter_dropped{exporter}`` and logged without payload.
+
+An item is identified by a key (the violation id): an item whose key is already queued,
+in flight, or was delivered recently is not queued again, so a violation exported twice
+(or again after an outage) is delivered once.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+from processor.convert.timefmt import format_rfc3339
+from processor.records import Action
+from processor.telemetry import Telemetry
+from processor.violations import Violation
+
+log = logging.getLogger("durable_check.exporters")
+
+T = TypeVar("T")
+
+_OVERFLOW_LOG_INTERVAL_S = 10.0
+
+
+@runtime_checkable
+class Exporter(Protocol):
+    """Where violations go. No method raises into the pipeline or blocks it."""
+
+    name: str
+    # True when export_actions() does something (JSONL with ``actions: true``): the
+    # pipeline then hands it every batch of actions, and skips the others.
+    wants_actions: bool
+
+    def export(self, violations: Sequence[Violation]) -> None:
+        """Queue violations for delivery and return at once."""
+
+    def resolve(self, violation_ids: Sequence[str]) -> None:
+        """A condition cleared: alerting exporters send its end; others ignore it."""
+
+    def export_actions(self, actions: Sequence[Action]) -> None:
+        """Action records; only the JSONL exporter with ``actions: true`` writes them."""
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Deliver what can be delivered within ``timeout_s``, then stop."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """What one delivery attempt came to.
+
+    ``reason`` goes into logs: a status code or an error class, never a payload.
+    ``retry_after`` is the server's own request (HTTP Retry-After), in seconds.
+    """
+
+    ok: bool
+    retryable: bool = False
+    retry_after: float | None = None
+    reason: str = ""
+
+    @staticmethod
+    def success() -> SendResult:
+        return SendResult(ok=True)
+
+    @staticmethod
+    def retry(reason: str, retry_after: float | None = None) -> SendResult:
+        return SendResult(ok=False, retryable=True, retry_after=retry_after, reason=reason)
+
+    @staticmethod
+    def permanent(reason: str) -> SendResult:
+        return SendResult(ok=False, retryable=False, reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Capped exponential backoff with jitter; ``max_attempts`` counts the first try."""
+
+    max_attempts: int = 10
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def delay(self, failures: int, retry_after: float | None = None) -> float:
+        """Seconds to wait after the ``failures``-th failure in a row (1-based)."""
+        base = min(self.max_backoff_s, self.initial_backoff_s * (2.0 ** max(0, failures - 1)))
+        # "Equal jitter": at least half the step, so retries of many exporters spread out
+        # without ever collapsing to an immediate retry.
+        delay = base / 2.0 + random.uniform(0.0, base / 2.0)  # noqa: S311 - jitter, not security
+        if retry_after is not None:
+            # The server asked for a pause: honour it, but never beyond our own cap.
+            delay = max(delay, min(retry_after, self.max_backoff_s))
+        return delay
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception as a short log reason: its class and message, cut to a bounded length."""
+    text = str(exc)
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class FailureLog:
+    """Logs the first failure of a streak as a warning and the recovery, not every retry."""
+
+    def __init__(self, exporter: str) -> None:
+        self._exporter = exporter
+        self._streak = 0
+
+    def failed(self, reason: str, attempt: int) -> None:
+        self._streak += 1
+        if self._streak == 1:
+            log.warning("exporter %s: delivery failed (%s); retrying with backoff", self._exporter, reason)
+        else:
+            log.debug("exporter %s: attempt %d failed (%s)", self._exporter, attempt, reason)
+
+    def succeeded(self) -> None:
+        if self._streak:
+            log.info("exporter %s: delivering again after %d failed attempts", self._exporter, self._streak)
+        self._streak = 0
+
+
+def init_exporter_metrics(telemetry: Telemetry, exporter: str) -> None:
+    """Create the exporter's series at zero, so the first failure or drop is an increase
+    that ``increase()``/``rate()`` can see (a series born at 1 shows no increase)."""
+    telemetry.exporter_sent.labels(exporter)
+    telemetry.exporter_failures.labels(exporter)
+    telemetry.exporter_dropped.labels(exporter)
+    telemetry.exporter_queue_depth.labels(exporter).set(0)
+
+
+class RetryQueue(Generic[T]):
+    """A bounded, de-duplicating queue drained by one worker thread.
+
+    ``send(batch)`` delivers up to ``batch_size`` items and returns a ``SendResult`` (an
+    exception counts as a retryable failure). A failed batch is retried *as is* (same
+    items, same order) until it is delivered, refused for good, or ``max_attempts`` is
+    spent; items arriving meanwhile wait behind it. The bound ``max_queue`` covers
+    queued plus in-flight items.
+    """
+
+    def __init__(
+        self,
+        exporter: str,
+        telemetry: Telemetry,
+        send: Callable[[list[T]], SendResult],
+        key: Callable[[T], str],
+        *,
+        max_queue: int,
+        batch_size: int,
+        policy: RetryPolicy,
+        remember_sent: int = 0,
+    ) -> None:
+        self.exporter = exporter
+        self._telemetry = telemetry
+        self._send = send
+        self._key = key
+        self._max_queue = max(1, max_queue)
+        self._batch_size = max(1, batch_size)
+        self._policy = policy
+        self._remember_sent = remember_sent
+        self._queued: OrderedDict[str, T] = OrderedDict()
+        self._in_flight: dict[str, T] = {}
+        self._sent: OrderedDict[str, None] = OrderedDict()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._abandoned = False
+        self._wake = threading.Event()
+        self._failures = FailureLog(exporter)
+        self.max_depth_seen = 0
+        self._unlogged_drops = 0
+        self._overflow_logged_at = -_OVERFLOW_LOG_INTERVAL_S
+        init_exporter_metrics(telemetry, exporter)
+        self._thread = threading.Thread(target=self._run, name=f"exporter-{exporter}", daemon=True)
+        self._update_depth()
+        self._thread.start()
+
+    # -- called by the pipeline ------------------------------------------------------
+
+    def put(self, items: Iterable[T]) -> None:
+        """Queue items (never blocks, never raises); duplicates of known keys are skipped."""
+        try:
+            self._put(items)
+        except Exception:
+            self._telemetry.exporter_failures.labels(self.exporter).inc()
+            log.exception("exporter %s: unexpected error while queueing", self.exporter)
+
+    def _put(self, items: Iterable[T]) -> None:
+        dropped = 0
+        with self._cond:
+            if self._stopping:
+                dropped = sum(1 for _ in items)
+            else:
+                for item in items:
+                    k = self._key(item)
+                    if k in self._queued or k in self._in_flight or k in self._sent:
+                        continue
+                    if len(self._queued) + len(self._in_flight) >= self._max_queue:
+                        if self._queued:
+                            self._queued.popitem(last=False)
+                        else:
+                            # Everything is in flight (batch as large as the queue): the
+                            # newcomer is the only thing that can go.
+                            dropped += 1
+                            continue
+                        dropped += 1
+                    self._queued[k] = item
+                self._update_depth()
+                self._cond.notify()
+        if dropped:
+            self._telemetry.exporter_dropped.labels(self.exporter).inc(dropped)
+            self._log_overflow(dropped)
+
+    def _log_overflow(self, dropped: int) -> None:
+        # A dead endpoint under load overflows on every export: one line per interval.
+        self._unlogged_drops += dropped
+        now = time.monotonic()
+        if now - self._overflow_logged_at >= _OVERFLOW_LOG_INTERVAL_S:
+            log.warning("exporter %s: queue full (%d items), dropped %d of the oldest",
+                        self.exporter, self._max_queue, self._unlogged_drops)
+            self._unlogged_drops = 0
+            self._overflow_logged_at = now
+
+    @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._queued) + len(self._in_flight)
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Stop taking items, deliver what fits in ``timeout_s``, count the rest as dropped."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(max(0.0, timeout_s))
+        with self._cond:
+            self._abandoned = True
+            left = len(self._queued) + len(self._in_flight)
+            self._queued.clear()
+            self._in_flight.clear()
+            self._update_depth()
+        self._wake.set()
+        if left:
+            self._telemetry.exporter_dropped.labels(self.exporter).inc(left)
+            log.warning("exporter %s: shut down with %d items undelivered", self.exporter, left)
+
+    # -- the worker ------------------------------------------------------------------
+
+    def _update_depth(self) -> None:
+        depth = len(self._queued) + len(self._in_flight)
+        self.max_depth_seen = max(self.max_depth_seen, depth)
+        self._telemetry.exporter_queue_depth.labels(self.exporter).set(depth)
+
+    def _take_batch(self) -> list[tuple[str, T]] | None:
+        with self._cond:
+            while not self._queued and not self._stopping:
+                self._cond.wait()
+            if not self._queued or self._abandoned:
+                return None
+            batch: list[tuple[str, T]] = []
+            while self._queued and len(batch) < self._batch_size:
+                batch.append(self._queued.popitem(last=False))
+            self._in_flight = dict(batch)
+            return batch
+
+    def _attempt(self, items: list[T]) -> SendResult:
+        try:
+            return self._send(items)
+        except Exception as exc:  # a broken endpoint must not kill the worker
+            return SendResult.retry(describe_error(exc))
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            items = [item for _, item in batch]
+            attempt = 0
+            while True:
+                attempt += 1
+                result = self._attempt(items)
+                if self._abandoned:
+                    return
+                if result.ok:
+                    self._failures.succeeded()
+                    self._telemetry.exporter_sent.labels(self.exporter).inc(len(items))
+                    self._remember([k for k, _ in batch])
+                    break
+                self._telemetry.exporter_failures.labels(self.exporter).inc()
+                self._failures.failed(result.reason, attempt)
+                if not result.retryable or attempt >= self._policy.max_attempts:
+                    self._telemetry.exporter_dropped.labels(self.exporter).inc(len(items))
+                    log.error(
+                        "exporter %s: dropped %d items after %d attempts (%s)",
+                        self.exporter, len(items), attempt, result.reason,
+                    )
+                    break
+                # Sleep, but wake early when shutdown gives up on us.
+                if self._wake.wait(self._policy.delay(attempt, result.retry_after)) or self._abandoned:
+                    return
+            with self._cond:
+                self._in_flight = {}
+                self._update_depth()
+
+    def _remember(self, keys: list[str]) -> None:
+        if self._remember_sent <= 0:
+            return
+        with self._cond:
+            for k in keys:
+                self._sent[k] = None
+                self._sent.move_to_end(k)
+            while len(self._sent) > self._remember_sent:
+                self._sent.popitem(last=False)
+
+
+def json_default(value: Any) -> Any:
+    """For orjson: rule details may carry tuples, sets or bytes; they become arrays or strings."""
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def violation_document(violation: Violation, now_ns: int | None = None) -> dict[str, Any]:
+    """``Violation.to_json()`` plus ``time``, RFC 3339: the violation's event time, or
+    (for a violation without one) the time it was exported."""
+    doc = violation.to_json()
+    when = violation.time_ns if violation.time_ns is not None else (now_ns if now_ns is not None else time.time_ns())
+    doc["time"] = format_rfc3339(when)
+    return doc
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds asked for by an HTTP Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

@@ -1,0 +1,350 @@
+"""Violations as JSON lines, written once each, in size-rotated files.
+
+Each line is ``Violation.to_json()`` plus ``time`` (RFC 3339). Writing a local file is
+synchronous: when ``export()`` returns the lines are in the file (and on disk, per the
+fsync policy). A failed write (disk full, permissions) is counted, logged and kept in
+a bounded retry queue; it never raises into the pipeline.
+
+A violation is written once: the ids written are remembered (the newest
+``dedupe_ids`` of them), and on start they are read back from the file and its rotated
+copies, so a restart that re-evaluates the same input does not write a line twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import stat
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+
+from exporters.base import RetryPolicy, RetryQueue, SendResult, describe_error, json_default, violation_document
+from exporters.config import JsonlConfig
+from processor.errors import ConfigError, Problem
+from processor.records import Action
+from processor.telemetry import Telemetry
+from processor.violations import Violation
+
+log = logging.getLogger("durable_check.exporters")
+
+FsyncMode = Literal["always", "batch", "never"]
+# A retry of a failed write re-tries all of these at once.
+_RETRY_BATCH = 1000
+
+
+def dumps_line(document: dict[str, Any]) -> bytes:
+    return orjson.dumps(document, default=json_default, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+
+
+class RotatingFile:
+    """An append-only file rotated by size: ``path`` -> ``path.1`` -> ... -> ``path.keep``.
+
+    Writes are unbuffered so that a failed write is known at once; a line torn by a
+    failed write is cut off again before the next write, so the file only ever holds
+    whole lines.
+    """
+
+    def __init__(self, path: Path, max_size: int, keep: int, fsync: FsyncMode) -> None:
+        self.path = path
+        self.max_size = max_size
+        self.keep = keep
+        self.fsync = fsync
+        self._fd: int | None = None
+        self._size = 0
+        self._regular = True
+        self.lines_written = 0
+
+    def rotated_paths(self) -> list[Path]:
+        """The rotated copies, newest first."""
+        return [self.path.with_name(f"{self.path.name}.{i}") for i in range(1, self.keep + 1)]
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.cut_torn_tail()
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            info = os.fstat(fd)
+            self._size = info.st_size
+            # A device or pipe (say /dev/stdout) is neither rotated nor fsynced.
+            self._regular = stat.S_ISREG(info.st_mode)
+            self._fd = fd
+        return self._fd
+
+    def cut_torn_tail(self) -> bool:
+        """Drop a last line without its newline (a crash mid-write); True if one was cut."""
+        if not self.path.is_file():
+            return False  # absent, or a device or pipe that cannot hold a torn line
+        try:
+            with self.path.open("rb+") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size == 0:
+                    return False
+                f.seek(size - 1)
+                if f.read(1) == b"\n":
+                    return False
+                # Walk back in bounded chunks to the last newline.
+                pos = size
+                while pos > 0:
+                    step = min(65536, pos)
+                    pos -= step
+                    f.seek(pos)
+                    chunk = f.read(step)
+                    idx = chunk.rfind(b"\n")
+                    if idx >= 0:
+                        f.truncate(pos + idx + 1)
+                        return True
+                f.truncate(0)
+                return True
+        except FileNotFoundError:
+            return False
+
+    def write_lines(self, lines: Sequence[bytes]) -> None:
+        """Append whole lines, rotating before a line that would overflow the size bound.
+
+        On OSError, ``lines_written`` tells how many of ``lines`` made it into the file
+        (whole), so the caller does not write those again.
+        """
+        self.lines_written = 0
+        chunk: list[bytes] = []
+        chunk_size = 0
+        fd = self._open()
+        for line in lines:
+            pending = self._size + chunk_size
+            if self._regular and self.max_size > 0 and pending > 0 and pending + len(line) > self.max_size:
+                self._write(fd, chunk)
+                chunk, chunk_size = [], 0
+                self._rotate()
+                fd = self._open()
+            chunk.append(line)
+            chunk_size += len(line)
+            if self.fsync == "always":
+                self._write(fd, chunk)
+                self._sync(fd)
+                chunk, chunk_size = [], 0
+        if chunk:
+            self._write(fd, chunk)
+        if self.fsync == "batch":
+            self._sync(fd)
+
+    def _sync(self, fd: int) -> None:
+        if self._regular:
+            os.fsync(fd)
+
+    def _write(self, fd: int, chunk: list[bytes]) -> None:
+        if not chunk:
+            return
+        data = b"".join(chunk)
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+        except OSError:
+            # Cut the torn line so the file keeps whole lines only; if even that fails,
+            # reopen (and re-measure) on the next attempt.
+            try:
+                os.ftruncate(fd, self._size)
+            except OSError:
+                self.close()
+            raise
+        self._size += len(data)
+        self.lines_written += len(chunk)
+
+    def _rotate(self) -> None:
+        self.close()
+        if self.keep == 0:
+            self.path.unlink(missing_ok=True)
+        else:
+            rotated = self.rotated_paths()
+            for older, newer in zip(reversed(rotated), reversed([self.path, *rotated[:-1]]), strict=True):
+                if newer.exists():
+                    os.replace(newer, older)
+        if self.fsync != "never":
+            self._fsync_dir()
+
+    def _fsync_dir(self) -> None:
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                if self.fsync != "never":
+                    self._sync(fd)
+            finally:
+                os.close(fd)
+
+
+class JsonlExporter:
+    """Writes violations (and, optionally, action records) as JSON lines."""
+
+    name = "jsonl"
+    wants_actions: bool
+
+    def __init__(self, cfg: JsonlConfig, telemetry: Telemetry) -> None:
+        self._telemetry = telemetry
+        self._lock = threading.Lock()
+        self._dedupe_ids = cfg.dedupe_ids
+        self._file = RotatingFile(Path(cfg.path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync)
+        self._written: OrderedDict[str, None] = OrderedDict()
+        try:
+            self._load_written()
+        except OSError as exc:
+            problem = Problem("exporters.jsonl.path", f"cannot read {cfg.path}: {describe_error(exc)}")
+            raise ConfigError([problem]) from exc
+        policy = RetryPolicy(cfg.max_attempts, 1.0, 30.0)
+        self._queue: RetryQueue[Violation] = RetryQueue(
+            self.name, telemetry, self._write_queued, lambda v: v.violation_id,
+            max_queue=cfg.max_queue, batch_size=_RETRY_BATCH, policy=policy,
+        )
+        self.wants_actions = bool(cfg.actions and cfg.actions_path)
+        self._actions_file: RotatingFile | None = None
+        self._actions_queue: RetryQueue[tuple[int, bytes]] | None = None
+        self._action_seq = itertools.count()
+        if cfg.actions and cfg.actions_path:
+            self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync)
+            self._actions_queue = RetryQueue(
+                "jsonl_actions", telemetry, self._write_queued_actions, lambda item: str(item[0]),
+                max_queue=cfg.max_queue, batch_size=_RETRY_BATCH, policy=policy,
+            )
+
+    # -- start: what was written before ------------------------------------------------
+
+    def _load_written(self) -> None:
+        if self._file.cut_torn_tail():
+            log.warning("exporter jsonl: cut a torn last line (an interrupted write) from the output file")
+        # Oldest first, so that the bounded memory keeps the newest ids.
+        for path in [*reversed(self._file.rotated_paths()), self._file.path]:
+            if not path.is_file():
+                continue  # absent, or a device (/dev/stdout) that holds nothing to read back
+            try:
+                f = path.open("rb")
+            except FileNotFoundError:
+                continue
+            with f:
+                for raw in f:
+                    try:
+                        doc = orjson.loads(raw)
+                    except orjson.JSONDecodeError:
+                        continue
+                    vid = doc.get("violation_id") if isinstance(doc, dict) else None
+                    if isinstance(vid, str):
+                        self._remember(vid)
+
+    def _remember(self, violation_id: str) -> None:
+        self._written[violation_id] = None
+        self._written.move_to_end(violation_id)
+        if len(self._written) > self._dedupe_ids:
+            self._written.popitem(last=False)
+
+    def written_ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._written)
+
+    # -- writing -----------------------------------------------------------------------
+
+    def _write(self, violations: Sequence[Violation]) -> int:
+        """Write the violations not yet written; the count written. Raises OSError."""
+        with self._lock:
+            fresh: list[Violation] = []
+            seen: set[str] = set()
+            for v in violations:
+                if v.violation_id not in self._written and v.violation_id not in seen:
+                    seen.add(v.violation_id)
+                    fresh.append(v)
+            if not fresh:
+                return 0
+            try:
+                self._file.write_lines([dumps_line(violation_document(v)) for v in fresh])
+            finally:
+                # Lines already in the file (before a failed rotation, say) count as written.
+                for v in fresh[:self._file.lines_written]:
+                    self._remember(v.violation_id)
+            return len(fresh)
+
+    def _write_queued(self, violations: list[Violation]) -> SendResult:
+        try:
+            self._write(violations)
+        except OSError as exc:
+            return SendResult.retry(describe_error(exc))
+        return SendResult.success()
+
+    def export(self, violations: Sequence[Violation]) -> None:
+        if not violations:
+            return
+        try:
+            if self._queue.depth:
+                # Earlier lines wait for a retry: keep the file in export order.
+                self._queue.put(violations)
+                return
+            written = self._write(violations)
+            if written:
+                self._telemetry.exporter_sent.labels(self.name).inc(written)
+        except OSError as exc:
+            self._telemetry.exporter_failures.labels(self.name).inc()
+            log.warning("exporter jsonl: write failed (%s); keeping %d violations for retry",
+                        describe_error(exc), len(violations))
+            self._queue.put(violations)
+        except Exception:
+            self._telemetry.exporter_failures.labels(self.name).inc()
+            log.exception("exporter jsonl: unexpected error; %d violations not written", len(violations))
+
+    def resolve(self, violation_ids: Sequence[str]) -> None:
+        """A JSONL file records what was found; a cleared condition writes nothing."""
+
+    def _write_actions(self, lines: Sequence[bytes]) -> None:
+        assert self._actions_file is not None
+        with self._lock:
+            self._actions_file.write_lines(lines)
+
+    def _write_queued_actions(self, items: list[tuple[int, bytes]]) -> SendResult:
+        try:
+            self._write_actions([line for _, line in items])
+        except OSError as exc:
+            return SendResult.retry(describe_error(exc))
+        return SendResult.success()
+
+    def export_actions(self, actions: Sequence[Action]) -> None:
+        if self._actions_queue is None or not actions:
+            return
+        items: list[tuple[int, bytes]] = []
+        try:
+            items = [(next(self._action_seq), dumps_line(a.record)) for a in actions]
+            if self._actions_queue.depth:
+                self._actions_queue.put(items)
+                return
+            self._write_actions([line for _, line in items])
+            self._telemetry.exporter_sent.labels("jsonl_actions").inc(len(items))
+        except OSError as exc:
+            self._telemetry.exporter_failures.labels("jsonl_actions").inc()
+            log.warning("exporter jsonl: action write failed (%s); keeping %d records for retry",
+                        describe_error(exc), len(actions))
+            self._actions_queue.put(items)
+        except Exception:
+            self._telemetry.exporter_failures.labels("jsonl_actions").inc()
+            log.exception("exporter jsonl: unexpected error; %d action records not written", len(actions))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        queues: list[RetryQueue[Any]] = [self._queue]
+        if self._actions_queue is not None:
+            queues.append(self._actions_queue)
+        for queue in queues:
+            queue.shutdown(timeout_s / len(queues))
+        with self._lock:
+            for f in (self._file, self._actions_file):
+                if f is None:
+                    continue
+                try:
+                    f.close()
+                except OSError as exc:
+                    log.warning("exporter jsonl: closing a file failed (%s)", describe_error(exc))

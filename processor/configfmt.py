@@ -17,6 +17,7 @@ import difflib
 import os
 import re
 import types
+import collections.abc
 from collections.abc import Mapping
 from typing import Any, Literal, NewType, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -189,7 +190,7 @@ def _decode_value(tp: Any, raw: Any, path: str, problems: list[Problem]) -> Any:
                                     else f"must be one of {', '.join(repr(a) for a in allowed)}"))
             return _MISSING
         return raw
-    if origin is list:
+    if origin is list or origin is collections.abc.Sequence:
         (item_type,) = get_args(tp)
         if not isinstance(raw, list):
             problems.append(Problem(path, f"must be a list, got {_type_name(raw)}"))

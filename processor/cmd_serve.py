@@ -1,0 +1,57 @@
+"""``durable-check serve [--config FILE] [--check]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from processor.config import load_config
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="receive OTLP traces and check sessions continuously",
+        description=(
+            "Receive spans over OTLP (gRPC and HTTP), check them as they arrive, and export violations. "
+            "Without --config, listens on 127.0.0.1:4317 (gRPC) and 127.0.0.1:4318 (HTTP) and writes "
+            "violations to ./durable-check-data/violations.jsonl."
+        ),
+    )
+    parser.add_argument("--config", metavar="FILE", help="configuration file (YAML); default: built-in defaults")
+    parser.add_argument("--check", action="store_true", help="validate the configuration and rules, then exit (0 or 2)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)  # ConfigError: the CLI prints every problem and exits 2
+    from processor.serve import Server, build_pipeline, build_store, serve_until_signalled
+    from processor.telemetry import Telemetry
+
+    if args.check:
+        from processor.evaluate.rulefmt import load_rules
+
+        load_rules(config.evaluate.rules, include_shipped=config.evaluate.include_shipped_rules)
+        sys.stdout.write(f"configuration {args.config or '(default)'} is valid\n")
+        return 0
+    logging.basicConfig(
+        level=_LEVELS[config.telemetry.logs.level],
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    telemetry = Telemetry()
+    store = build_store(config)  # StateError (locked, corrupt, unwritable): a message, exit 2
+    pipeline = build_pipeline(config, telemetry, store)
+    server = Server(config, pipeline, telemetry, store)
+    try:
+        asyncio.run(serve_until_signalled(server))
+    except OSError as exc:
+        # An address in use or not available: a user's setting, not a crash.
+        sys.stderr.write(f"durable-check: cannot start the receivers: {exc}\n")
+        return 2
+    return 0

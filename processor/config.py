@@ -1,0 +1,363 @@
+"""The typed configuration of ``durable-check serve``.
+
+Every section is a dataclass decoded by :mod:`processor.configfmt`; each section's
+``validate`` adds the checks across its fields, so one run of :func:`load_config`
+reports *every* problem with its config path (``receivers.otlp.grpc.endpoint: must be
+host:port``) and never stops at the first.
+
+Without a file, :data:`DEFAULT_CONFIG_YAML` applies: receivers on the loopback
+interface only (nothing is exposed by accident) and every file under
+``./durable-check-data/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from exporters.config import ExportersConfig
+from processor.configfmt import ByteSize, Duration, check_endpoint, check_url, decode, expand_env
+from processor.convert.options import ConvertOptions, ToolKindRule
+from processor.errors import ConfigError, Problem
+
+# The crash-safe store ships in its own module; a build without it cannot honour `sqlite`.
+SQLITE_STATE_AVAILABLE: bool = importlib.util.find_spec("processor.state.sqlite") is not None
+
+DATA_DIR = "./durable-check-data"
+_MiB = 1024 * 1024
+# Dataclass defaults must be constants, not calls.
+_16MiB = ByteSize(16 * _MiB)
+_1S = Duration(1.0)
+_5S = Duration(5.0)
+_7D = Duration(7 * 86400.0)
+_200MS = Duration(0.2)
+_500MS = Duration(0.5)
+_30S = Duration(30.0)
+_10S = Duration(10.0)
+
+
+@dataclass(slots=True)
+class TLSConfig:
+    """Server-side TLS: a certificate and key; with ``client_ca_file``, clients must present a certificate (mTLS)."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    def validate(self, path: str) -> list[Problem]:
+        problems: list[Problem] = []
+        if bool(self.cert_file) != bool(self.key_file):
+            missing = "key_file" if self.cert_file else "cert_file"
+            problems.append(Problem(f"{path}.{missing}", "cert_file and key_file go together; set both or neither"))
+        if self.client_ca_file and not self.cert_file:
+            problems.append(
+                Problem(f"{path}.client_ca_file", "client certificates need server TLS: set cert_file and key_file")
+            )
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            value = getattr(self, name)
+            if value and not os.path.isfile(value):
+                problems.append(Problem(f"{path}.{name}", f"file not found: {value}"))
+        return problems
+
+
+@dataclass(slots=True)
+class AuthConfig:
+    """A shared bearer token; clients send ``authorization: Bearer <token>``. Empty: no check."""
+
+    bearer_token: str = ""
+
+    def validate(self, path: str) -> list[Problem]:
+        token = self.bearer_token
+        if token and (token != token.strip() or any(c in token for c in "\r\n")):
+            return [Problem(f"{path}.bearer_token", "must not contain spaces at either end or line breaks")]
+        return []
+
+
+@dataclass(slots=True)
+class GrpcReceiverConfig:
+    endpoint: str = "127.0.0.1:4317"
+    # gRPC answers RESOURCE_EXHAUSTED above this (grpc's own max_receive_message_length).
+    max_recv_msg_size: ByteSize = _16MiB
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def validate(self, path: str) -> list[Problem]:
+        problems = check_endpoint(self.endpoint, f"{path}.endpoint")
+        if self.max_recv_msg_size < 1024:
+            problems.append(Problem(f"{path}.max_recv_msg_size", "must be at least 1KiB"))
+        return problems
+
+
+@dataclass(slots=True)
+class HttpReceiverConfig:
+    endpoint: str = "127.0.0.1:4318"
+    # Applies to the body as sent and again after gzip/zstd decompression (no decompression bombs).
+    max_request_body_size: ByteSize = _16MiB
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def validate(self, path: str) -> list[Problem]:
+        problems = check_endpoint(self.endpoint, f"{path}.endpoint")
+        if self.max_request_body_size < 1024:
+            problems.append(Problem(f"{path}.max_request_body_size", "must be at least 1KiB"))
+        return problems
+
+
+@dataclass(slots=True)
+class OTLPReceiverConfig:
+    """An empty ``endpoint`` turns that receiver off."""
+
+    grpc: GrpcReceiverConfig = field(default_factory=GrpcReceiverConfig)
+    http: HttpReceiverConfig = field(default_factory=HttpReceiverConfig)
+
+    def validate(self, path: str) -> list[Problem]:
+        problems: list[Problem] = []
+        if not self.grpc.endpoint and not self.http.endpoint:
+            problems.append(Problem(path, "both receivers are off (empty endpoints): serve would receive nothing"))
+        elif self.grpc.endpoint and self.grpc.endpoint == self.http.endpoint and not self.grpc.endpoint.endswith(":0"):
+            problems.append(Problem(f"{path}.http.endpoint", "same address as grpc.endpoint; each needs its own port"))
+        return problems
+
+
+@dataclass(slots=True)
+class ReceiversConfig:
+    otlp: OTLPReceiverConfig = field(default_factory=OTLPReceiverConfig)
+
+
+@dataclass(slots=True)
+class QueueConfig:
+    """The bound between receiving and evaluating: past either limit, senders are told to retry later."""
+
+    max_requests: int = 64
+    max_spans: int = 200_000
+    # Suggested to refused senders (gRPC RetryInfo, HTTP Retry-After, rounded up to whole seconds).
+    retry_after: Duration = _1S
+
+    def validate(self, path: str) -> list[Problem]:
+        problems: list[Problem] = []
+        if self.max_requests < 1:
+            problems.append(Problem(f"{path}.max_requests", "must be at least 1"))
+        if self.max_spans < 1:
+            problems.append(Problem(f"{path}.max_spans", "must be at least 1"))
+        if self.retry_after <= 0:
+            problems.append(Problem(f"{path}.retry_after", "must be more than 0"))
+        return problems
+
+
+@dataclass(slots=True)
+class EvaluateConfig:
+    strict: bool = False
+    rules: list[str] = field(default_factory=list)
+    include_shipped_rules: bool = True
+    allowed_lateness: Duration = _5S
+    session_idle_timeout: Duration = _7D
+    max_sessions: int = 100_000
+    tick_interval: Duration = _1S
+
+    def validate(self, path: str) -> list[Problem]:
+        problems: list[Problem] = []
+        for index, rule_path in enumerate(self.rules):
+            if not rule_path:
+                problems.append(Problem(f"{path}.rules[{index}]", "empty path"))
+            elif not os.path.exists(rule_path):
+                problems.append(Problem(f"{path}.rules[{index}]", f"no such file or directory: {rule_path}"))
+        if self.max_sessions < 1:
+            problems.append(Problem(f"{path}.max_sessions", "must be at least 1"))
+        if self.tick_interval < 0.01:
+            problems.append(Problem(f"{path}.tick_interval", "must be at least 10ms"))
+        if self.session_idle_timeout <= 0:
+            problems.append(Problem(f"{path}.session_idle_timeout", "must be more than 0"))
+        if not self.rules and not self.include_shipped_rules:
+            problems.append(
+                Problem(f"{path}.include_shipped_rules", "no rules at all: add rule files or keep the shipped ones")
+            )
+        return problems
+
+
+@dataclass(slots=True)
+class StateConfig:
+    backend: Literal["memory", "sqlite"] = "memory"
+    path: str = f"{DATA_DIR}/state.db"
+
+    def validate(self, path: str) -> list[Problem]:
+        problems: list[Problem] = []
+        if self.backend == "sqlite":
+            if not SQLITE_STATE_AVAILABLE:
+                problems.append(Problem(f"{path}.backend", "'sqlite' is not available in this build; use 'memory'"))
+            if not self.path:
+                problems.append(Problem(f"{path}.path", "is required for the sqlite backend"))
+        return problems
+
+
+@dataclass(slots=True)
+class ForwardConfig:
+    """Processor mode: every received span also goes downstream, unchanged but for ``durable.violation.rules``.
+
+    ``endpoint``: for gRPC ``host:port`` (``insecure`` decides plaintext) or an
+    ``http://``/``https://`` URL (the scheme decides); for HTTP a base URL
+    (``/v1/traces`` is appended when the URL has no path). Empty: forwarding is off.
+    """
+
+    endpoint: str = ""
+    protocol: Literal["grpc", "http"] = "grpc"
+    # Plaintext gRPC (no TLS). For HTTP the URL scheme decides.
+    insecure: bool = False
+    # PEM bundle to verify the downstream's certificate; empty: the system's roots.
+    ca_file: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    max_batch_spans: int = 512
+    max_buffer_spans: int = 100_000
+    # How long a partial batch may wait for more spans before it is sent.
+    flush_interval: Duration = _200MS
+    max_attempts: int = 5
+    initial_backoff: Duration = _500MS
+    max_backoff: Duration = _30S
+    timeout: Duration = _10S
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+    def validate(self, path: str) -> list[Problem]:
+        problems: list[Problem] = []
+        if self.endpoint:
+            if self.protocol == "grpc":
+                # host:port, or a URL whose scheme says plaintext (http) or TLS (https).
+                target = self.endpoint
+                for scheme in ("http://", "https://"):
+                    if target.startswith(scheme):
+                        target = target[len(scheme):].rstrip("/")
+                problems.extend(check_endpoint(target, f"{path}.endpoint"))
+            else:
+                problems.extend(check_url(self.endpoint, f"{path}.endpoint"))
+        if self.ca_file and not os.path.isfile(self.ca_file):
+            problems.append(Problem(f"{path}.ca_file", f"file not found: {self.ca_file}"))
+        for name in self.headers:
+            if not name or any(c.isspace() or c in ":\r\n" for c in name):
+                problems.append(Problem(f"{path}.headers.{name}", "not a valid header name"))
+        for name, value in self.headers.items():
+            if any(c in value for c in "\r\n"):
+                problems.append(Problem(f"{path}.headers.{name}", "value must not contain line breaks"))
+        if self.max_batch_spans < 1:
+            problems.append(Problem(f"{path}.max_batch_spans", "must be at least 1"))
+        if self.max_buffer_spans < self.max_batch_spans:
+            problems.append(Problem(f"{path}.max_buffer_spans", "must be at least max_batch_spans"))
+        if self.max_attempts < 1:
+            problems.append(Problem(f"{path}.max_attempts", "must be at least 1"))
+        if self.initial_backoff <= 0:
+            problems.append(Problem(f"{path}.initial_backoff", "must be more than 0"))
+        if self.max_backoff < self.initial_backoff:
+            problems.append(Problem(f"{path}.max_backoff", "must be at least initial_backoff"))
+        if self.timeout <= 0:
+            problems.append(Problem(f"{path}.timeout", "must be more than 0"))
+        return problems
+
+
+@dataclass(slots=True)
+class LogsConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(slots=True)
+class TelemetryConfig:
+    logs: LogsConfig = field(default_factory=LogsConfig)
+
+
+@dataclass(slots=True)
+class Config:
+    receivers: ReceiversConfig = field(default_factory=ReceiversConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    convert: ConvertOptions = field(default_factory=ConvertOptions)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
+    exporters: ExportersConfig = field(default_factory=ExportersConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+
+DEFAULT_CONFIG_YAML = f"""\
+receivers:
+  otlp:
+    grpc:
+      endpoint: 127.0.0.1:4317
+    http:
+      endpoint: 127.0.0.1:4318
+state:
+  backend: memory
+  path: {DATA_DIR}/state.db
+exporters:
+  jsonl:
+    path: {DATA_DIR}/violations.jsonl
+"""
+
+
+def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> Config:
+    """The configuration in ``path`` (or the embedded default); ConfigError lists every problem."""
+    if path is None:
+        text, where = DEFAULT_CONFIG_YAML, "(default configuration)"
+    else:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except FileNotFoundError:
+            raise ConfigError([Problem(path, "no such file")], "cannot read the configuration") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ConfigError([Problem(path, reason)], "cannot read the configuration") from None
+        where = path
+    return parse_config(text, where, environ)
+
+
+def parse_config(text: str, where: str, environ: Mapping[str, str] | None = None) -> Config:
+    """Decode YAML ``text`` (read from ``where``, named in messages)."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+        raise ConfigError([Problem(place, f"invalid YAML: {exc.problem or exc.context}")],
+                          "invalid configuration") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([Problem(where, f"invalid YAML: {exc}")], "invalid configuration") from None
+    if raw is None:
+        raw = {}
+    problems: list[Problem] = []
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem(where, "the configuration must be a mapping of sections")], "invalid configuration")
+    raw = expand_env(raw, "", problems, environ)
+    convert_raw = raw.pop("convert", None)
+    config = decode(Config, raw, "", problems)
+    config.convert = _decode_convert(convert_raw, problems)
+    if problems:
+        raise ConfigError(problems, f"invalid configuration in {where}:")
+    return config
+
+
+@dataclass(slots=True)
+class _ToolKinds:
+    tool_kinds: list[ToolKindRule] = field(default_factory=list)
+
+
+def _decode_convert(raw: Any, problems: list[Problem]) -> ConvertOptions:
+    """The ``convert:`` section; ``tool_kinds`` (a Sequence in ConvertOptions) is decoded as a list."""
+    if not isinstance(raw, dict) or "tool_kinds" not in raw:
+        return decode(ConvertOptions, raw, "convert", problems)
+    rest = {k: v for k, v in raw.items() if k != "tool_kinds"}
+    first: list[Problem] = []
+    options = decode(ConvertOptions, rest, "convert", first)
+    kinds = decode(_ToolKinds, {"tool_kinds": raw["tool_kinds"]}, "convert", first)
+    options = dataclasses.replace(options, tool_kinds=tuple(kinds.tool_kinds))
+    # validate() ran once on the default tool kinds; run it again on the configured ones.
+    problems.extend(first)
+    problems.extend(p for p in options.validate("convert") if p not in first)
+    return options

@@ -1,0 +1,406 @@
+"""``durable-check serve``: OTLP in, violations out, for as long as the process runs.
+
+One asyncio loop runs both receivers (grpc.aio and uvicorn). One evaluator thread
+owns the pipeline (the engine is not thread-safe): it drains the bounded queue,
+converts and evaluates each request, resolves the request's acknowledgement, hands
+the spans to processor mode's forwarder, and moves the engine's clock every
+``tick_interval`` so that deadlines fire even when no span arrives.
+
+Shutdown (SIGTERM, SIGINT): stop accepting (readiness and gRPC health turn
+NOT_SERVING, new requests are answered "retry later"), let the worker drain what was
+accepted, stop the receivers, then ``pipeline.shutdown`` flushes every exporter.
+With the in-memory state the worker ends with the engine's serve-mode ``finish()``:
+the spans it still holds in its reordering buffer (the last ``allowed_lateness``)
+were acknowledged and are evaluated now, or they would be lost with the process;
+only deadlines the clock has already passed fire, and open waits stay open. A
+durable store keeps that buffer across the restart instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Generator
+from typing import Any, Final
+
+import uvicorn
+
+from processor.config import Config
+from processor.convert.spans import SpanConverter
+from processor.errors import StateError
+from processor.pipeline import Pipeline
+from processor.receive.forward import AnnotatingHold, Forwarder, forward_headers_for_log, redact_endpoint
+from processor.receive.otlp_common import partial_success_message, rejected_span_count
+from processor.receive.otlp_grpc import OTLPGrpcReceiver
+from processor.receive.otlp_http import build_app
+from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
+from processor.records import Action, Malformed
+from processor.state.base import StateStore
+from processor.telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S: Final = 30.0
+# How long receivers wait for calls still open once the queue is drained (those are only being refused).
+_RECEIVER_GRACE_S: Final = 3.0
+
+
+def build_store(config: Config) -> StateStore | None:
+    """The configured state store; None for the engine's own in-memory one. StateError names the file."""
+    if config.state.backend == "sqlite":
+        from processor.state.sqlite import SqliteStore
+
+        return SqliteStore(config.state.path)
+    return None
+
+
+def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | None = None) -> Pipeline:
+    """The engine with the configured rules and store, and the configured exporters. Raises RuleFormatError."""
+    from exporters import build_exporters
+    from processor.evaluate.engine import Engine, EngineOptions
+    from processor.evaluate.rulefmt import load_rules
+
+    ruleset = load_rules(config.evaluate.rules, include_shipped=config.evaluate.include_shipped_rules)
+    options = EngineOptions(
+        strict=config.evaluate.strict,
+        allowed_lateness_s=float(config.evaluate.allowed_lateness),
+        session_idle_timeout_s=float(config.evaluate.session_idle_timeout),
+        max_sessions=config.evaluate.max_sessions,
+        mode="serve",
+    )
+    engine = Engine(ruleset, options, store=store, telemetry=telemetry)
+    return Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry)
+
+
+class EvaluatorWorker:
+    """The single consumer of the queue and sole user of the pipeline."""
+
+    def __init__(
+        self,
+        queue: IngestQueue,
+        pipeline: Pipeline,
+        *,
+        converter: SpanConverter,
+        hold: AnnotatingHold | None,
+        tick_interval_s: float,
+        telemetry: Telemetry,
+        finish_on_exit: bool,
+    ) -> None:
+        self._queue = queue
+        self._finish_on_exit = finish_on_exit
+        self._pipeline = pipeline
+        self._converter = converter
+        self._hold = hold
+        self._tick_interval_s = tick_interval_s
+        self._telemetry = telemetry
+        self._seq = 0
+        self._deadline = float("inf")
+        self._thread = threading.Thread(target=self._run, name="durable-check-evaluator", daemon=True)
+        self.processed_spans = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until the (closed) queue is empty; requests still queued after ``timeout_s`` are refused."""
+        self._deadline = time.monotonic() + timeout_s
+        self._thread.join(timeout_s + 1.0)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        next_tick = time.monotonic() + self._tick_interval_s
+        while True:
+            batch = self._queue.get(max(0.0, next_tick - time.monotonic()))
+            if batch is not None:
+                if time.monotonic() > self._deadline:
+                    _resolve(batch, error=ProcessingFailed("the checker stopped before evaluating this request"))
+                else:
+                    self._process(batch)
+            elif self._queue.drained():
+                if self._finish_on_exit:
+                    self._finish()
+                if self._hold is not None:
+                    self._hold.release_all()
+                return
+            if time.monotonic() >= next_tick:
+                self._tick()
+                next_tick = time.monotonic() + self._tick_interval_s
+            if self._hold is not None:
+                self._hold.release_due(time.monotonic())
+
+    def _tick(self) -> None:
+        try:
+            violations = self._pipeline.tick(time.time_ns())
+        except Exception as exc:  # the clock must keep running; the error is logged
+            _log_failure("evaluating deadlines failed", exc)
+            return
+        if self._hold is not None:
+            self._hold.note(violations)
+
+    def _finish(self) -> None:
+        try:
+            violations = self._pipeline.finish()
+        except Exception as exc:  # shutdown goes on; the error is logged
+            _log_failure("evaluating the held-back spans failed", exc)
+            return
+        if self._hold is not None:
+            self._hold.note(violations)
+
+    def _process(self, batch: Batch) -> None:
+        try:
+            result = self._converter.convert(batch.request, batch.origin, self._seq)
+            self._seq += len(result.actions)
+            undecoded = [
+                Malformed(message=problem, origin=batch.origin, source="span") for problem in batch.decode_problems
+            ]
+            items: list[Action | Malformed] = [*result.actions, *result.rejected, *undecoded]
+            violations = self._pipeline.process(items) if items else []
+        except StateError as exc:
+            logger.error("the state store failed; the sender is asked to retry: %s", exc)
+            _resolve(batch, error=ProcessingFailed(f"the checker's state store failed: {exc}"))
+            return
+        except Exception as exc:  # one bad request must not stop the checker
+            _log_failure(f"evaluating a request of {batch.span_count} spans failed", exc)
+            if self._hold is not None:
+                # Checking failed, forwarding need not: the spans still go downstream.
+                self._hold.add(batch.request, time.monotonic())
+            # Not retryable: the same request would fail the same way. Say so in partial success.
+            _resolve(batch, Ack(batch.span_count, "internal error while evaluating these spans; see the checker's log"))
+            return
+        rejected = rejected_span_count(result.rejected, batch.decode_problems)
+        if rejected:
+            self._telemetry.spans_rejected.labels(batch.protocol, "unconvertible").inc(rejected)
+        self.processed_spans += batch.span_count
+        _resolve(batch, Ack(rejected, partial_success_message(result.rejected, batch.decode_problems)))
+        if self._hold is not None:
+            self._hold.note(violations)
+            self._hold.add(batch.request, time.monotonic())
+
+
+def _log_failure(what: str, exc: Exception) -> None:
+    # The exception's type only: its message may quote a record. The traceback only at debug level.
+    logger.error("%s: %s", what, type(exc).__name__, exc_info=logger.isEnabledFor(logging.DEBUG))
+
+
+def _resolve(batch: Batch, ack: Ack | None = None, error: Exception | None = None) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is not None:
+            batch.ack.set_exception(error)
+        else:
+            batch.ack.set_result(ack if ack is not None else Ack())
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside our loop: signals are ours to handle, not uvicorn's."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _bind(endpoint: str) -> socket.socket:
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # SO_REUSEADDR (not SO_REUSEPORT): restart over TIME_WAIT, but a second serve on the port fails.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"receivers.otlp.http.endpoint: cannot listen on {endpoint}: {exc.strerror or exc}") from None
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class Server:
+    """Receivers, queue, worker and forwarder of one serve process."""
+
+    def __init__(
+        self, config: Config, pipeline: Pipeline, telemetry: Telemetry, store: StateStore | None = None
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.telemetry = telemetry
+        self.pipeline = pipeline
+        q = config.queue
+        self.queue = IngestQueue(q.max_requests, q.max_spans, float(q.retry_after), telemetry)
+        self.forwarder = Forwarder(config.forward, telemetry) if config.forward.enabled else None
+        hold = None
+        if self.forwarder is not None:
+            # A span is evaluated once it has waited allowed_lateness and a tick has run.
+            hold_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
+            hold = AnnotatingHold(self.forwarder, hold_s, config.forward.max_buffer_spans)
+        self.worker = EvaluatorWorker(
+            self.queue,
+            pipeline,
+            converter=SpanConverter(config.convert),
+            hold=hold,
+            tick_interval_s=float(config.evaluate.tick_interval),
+            telemetry=telemetry,
+            # A durable store keeps the reordering buffer across the restart; memory would lose it.
+            finish_on_exit=store is None,
+        )
+        self._started = False
+        self._draining = False
+        self._grpc: OTLPGrpcReceiver | None = None
+        self._http: _EmbeddedUvicorn | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+        # The loop the receivers run in (set by start); other threads schedule onto it.
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def accepting(self) -> bool:
+        return self._started and not self._draining
+
+    def ready(self) -> tuple[bool, str]:
+        if not self._started:
+            return False, "starting"
+        if self._draining:
+            return False, "shutting down"
+        if self.queue.is_full():
+            return False, "queue full"
+        return True, ""
+
+    async def start(self) -> None:
+        """Start the worker, the forwarder and both receivers; OSError if an endpoint cannot be bound."""
+        self.loop = asyncio.get_running_loop()
+        if self.forwarder is not None:
+            self.forwarder.start()
+        self.worker.start()
+        receivers = self.config.receivers.otlp
+        if receivers.grpc.endpoint:
+            self._grpc = OTLPGrpcReceiver(receivers.grpc, self.queue, self.telemetry, self.accepting)
+            self.grpc_port = await self._grpc.start()
+            logger.info("OTLP/gRPC receiver listening on %s", _with_port(receivers.grpc.endpoint, self.grpc_port))
+        if receivers.http.endpoint:
+            await self._start_http()
+            logger.info("OTLP/HTTP receiver listening on %s", _with_port(receivers.http.endpoint, self.http_port))
+        if self.forwarder is not None:
+            fwd = self.config.forward
+            logger.info("processor mode: forwarding every span to %s over %s (headers: %s)",
+                        redact_endpoint(fwd.endpoint), fwd.protocol, forward_headers_for_log(fwd.headers))
+        self._started = True
+
+    async def _start_http(self) -> None:
+        cfg = self.config.receivers.otlp.http
+        sock = _bind(cfg.endpoint)
+        self.http_port = sock.getsockname()[1]
+        app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready)
+        tls: dict[str, Any] = {}
+        if cfg.tls.enabled:
+            tls = {"ssl_certfile": cfg.tls.cert_file, "ssl_keyfile": cfg.tls.key_file}
+            if cfg.tls.client_ca_file:
+                tls.update(ssl_ca_certs=cfg.tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        uv_config = uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", server_header=False,
+            timeout_graceful_shutdown=int(_RECEIVER_GRACE_S), **tls,
+        )
+        server = _EmbeddedUvicorn(uv_config)
+        self._http = server
+        self._http_task = asyncio.create_task(server.serve(sockets=[sock]))
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not server.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises what stopped it
+                raise OSError(f"the HTTP receiver on {cfg.endpoint} did not start")
+            if time.monotonic() > deadline:
+                raise OSError(f"the HTTP receiver on {cfg.endpoint} did not start in time")
+            await asyncio.sleep(0.01)
+
+    async def begin_drain(self) -> None:
+        """Stop accepting: readiness and gRPC health turn NOT_SERVING; new requests are told to retry."""
+        if self._draining:
+            return
+        self._draining = True
+        if self._grpc is not None:
+            await self._grpc.set_draining()
+        self.queue.close()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting, evaluate what was accepted, stop receivers, flush exporters and the forwarder."""
+        deadline = time.monotonic() + timeout_s
+        await self.begin_drain()
+        loop = asyncio.get_running_loop()
+        drained = await loop.run_in_executor(None, self.worker.drain, max(1.0, deadline - time.monotonic()))
+        if not drained:
+            logger.error("the evaluator did not finish draining in time")
+        logger.debug("shutdown: queue drained")
+        if self._grpc is not None:
+            await self._grpc.stop(max(0.5, min(_RECEIVER_GRACE_S, deadline - time.monotonic())))
+        if self._http is not None and self._http_task is not None:
+            # Every accepted request has its answer by now; a connection still open is idle or
+            # being refused, and must not hold the exit for uvicorn's default 30 s.
+            grace = max(1.0, min(_RECEIVER_GRACE_S, deadline - time.monotonic()))
+            self._http.config.timeout_graceful_shutdown = int(grace)
+            self._http.should_exit = True
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._http_task, max(1.0, deadline - time.monotonic()))
+        logger.debug("shutdown: receivers stopped")
+        await loop.run_in_executor(None, self.pipeline.shutdown, max(1.0, deadline - time.monotonic()))
+        logger.debug("shutdown: exporters flushed")
+        if self.forwarder is not None:
+            await loop.run_in_executor(None, self.forwarder.shutdown, max(1.0, deadline - time.monotonic()))
+        if self.store is not None and drained:
+            # Only once the worker is done with it: it is the store's single user.
+            self.store.close()
+        logger.info("stopped; %d spans evaluated", self.worker.processed_spans)
+
+
+def _with_port(endpoint: str, port: int) -> str:
+    return f"{endpoint.rpartition(':')[0]}:{port}"
+
+
+async def serve_until_signalled(server: Server, shutdown_timeout_s: float = 30.0) -> None:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await server.start()
+        await stop.wait()
+        logger.info("signal received; draining")
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await server.shutdown(shutdown_timeout_s)
+
+
+class ServerThread:
+    """A Server on its own loop in a background thread (tests, benchmarks, embedding)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="durable-check-serve", daemon=True)
+
+    def start(self) -> Server:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(_STARTUP_TIMEOUT_S)
+        return self.server
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        future = asyncio.run_coroutine_threadsafe(self.server.shutdown(timeout_s), self._loop)
+        try:
+            future.result(timeout_s + 5.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5.0)
+            self._loop.close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,242 @@
+"""Shared by the serve tests: a real server on free ports, real SDK spans, and the replay path to compare with."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Status, StatusCode
+
+from processor.config import Config, parse_config
+from processor.convert.spans import SpanConverter
+from processor.evaluate.engine import Engine, EngineOptions
+from processor.evaluate.rulefmt import load_rules
+from processor.pipeline import Pipeline
+from processor.serve import Server, ServerThread, build_pipeline, build_store
+from processor.telemetry import Telemetry
+
+Key = tuple[str, str, str]
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def serve_config(tmp_path: Path, extra: Mapping[str, Any] | None = None) -> Config:
+    """Both receivers on free loopback ports, violations to ``tmp_path/violations.jsonl``."""
+    base: dict[str, Any] = {
+        "receivers": {"otlp": {"grpc": {"endpoint": "127.0.0.1:0"}, "http": {"endpoint": "127.0.0.1:0"}}},
+        "evaluate": {"tick_interval": "50ms"},
+        "exporters": {"jsonl": {"path": str(tmp_path / "violations.jsonl")}},
+    }
+    return parse_config(yaml.safe_dump(_merge(base, extra or {})), "test configuration")
+
+
+def config_file(tmp_path: Path, extra: Mapping[str, Any] | None = None) -> Path:
+    """The same as ``serve_config``, written to a file for a serve subprocess."""
+    base: dict[str, Any] = {
+        "receivers": {"otlp": {"grpc": {"endpoint": "127.0.0.1:0"}, "http": {"endpoint": "127.0.0.1:0"}}},
+        "evaluate": {"tick_interval": "50ms"},
+        "exporters": {"jsonl": {"path": str(tmp_path / "violations.jsonl")}},
+    }
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(_merge(base, extra or {})), encoding="utf-8")
+    return path
+
+
+@contextlib.contextmanager
+def running(config: Config) -> Iterator[Server]:
+    """A real server (engine, exporters, receivers) in a background thread; stopped gracefully on exit."""
+    telemetry = Telemetry()
+    store = build_store(config)
+    server = Server(config, build_pipeline(config, telemetry, store), telemetry, store)
+    thread = ServerThread(server)
+    thread.start()
+    try:
+        yield server
+    finally:
+        thread.stop(30.0)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def keys_of(documents: Sequence[Mapping[str, Any]]) -> set[Key]:
+    return {(d["rule"], d["session_id"], d["action_id"]) for d in documents}
+
+
+def replay_keys(requests: Sequence[Any], config: Config) -> set[Key]:
+    """What replay finds on the same requests: the same converter and a fresh engine in replay mode."""
+    ev = config.evaluate
+    engine = Engine(
+        load_rules(ev.rules, include_shipped=ev.include_shipped_rules),
+        EngineOptions(
+            strict=ev.strict,
+            allowed_lateness_s=float(ev.allowed_lateness),
+            session_idle_timeout_s=float(ev.session_idle_timeout),
+            max_sessions=ev.max_sessions,
+            mode="replay",
+        ),
+    )
+    pipeline = Pipeline(engine, [], None)
+    converter = SpanConverter(config.convert)
+    found = []
+    seq = 0
+    for request in requests:
+        result = converter.convert(request, "replay", seq)
+        seq += len(result.actions)
+        found.extend(pipeline.process([*result.actions, *result.rejected]))
+    found.extend(pipeline.finish())
+    return {(v.rule, v.session_id, v.action_id) for v in found}
+
+
+class Recording:
+    """A TracerProvider that sends to ``exporter`` and keeps a copy of every span for the replay side."""
+
+    def __init__(self, exporter: SpanExporter, *, batch: bool = True, service: str = "refund-service") -> None:
+        self.memory = InMemorySpanExporter()
+        self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        processor = BatchSpanProcessor(exporter, schedule_delay_millis=50) if batch else SimpleSpanProcessor(exporter)
+        self.provider.add_span_processor(processor)
+        self.provider.add_span_processor(SimpleSpanProcessor(self.memory))
+
+    def spans(self) -> tuple[ReadableSpan, ...]:
+        return self.memory.get_finished_spans()
+
+    def request(self) -> trace_service_pb2.ExportTraceServiceRequest:
+        return encode_spans(self.spans())
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+_agent_lock = threading.Lock()
+
+
+def run_refund_agent(provider: TracerProvider, prompt: str = "refund order 42") -> str:
+    """A real pydantic-ai agent run (offline TestModel) that calls a payment tool and a search tool."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.instrumented import InstrumentationSettings
+    from pydantic_ai.models.test import TestModel
+
+    agent = Agent(TestModel(), name="refund-agent")
+
+    @agent.tool_plain
+    def refund_payment(order_id: str) -> str:
+        return f"refunded {order_id}"
+
+    @agent.tool_plain
+    def search_orders(query: str) -> str:
+        return f"found {query}"
+
+    # instrument_all is process-wide: one agent run at a time.
+    with _agent_lock:
+        Agent.instrument_all(InstrumentationSettings(tracer_provider=provider))
+        try:
+            result = agent.run_sync(prompt)
+        finally:
+            Agent.instrument_all(False)
+    return str(result.output)
+
+
+def emit_durable_spans(provider: TracerProvider, session: str) -> None:
+    """Spans with durable.* attributes that trip per-record rules (DS002, DS003, DS005, DS006)."""
+    tracer = provider.get_tracer("durable-check-tests")
+    with tracer.start_as_current_span("charge card", attributes={
+        "durable.session.id": session, "durable.action.id": "charge-1", "durable.action.kind": "payment",
+    }):
+        pass
+    with tracer.start_as_current_span("call flaky api", attributes={
+        "durable.session.id": session, "durable.action.id": "call-1", "durable.action.kind": "external_read",
+        "durable.retry.retryable": True, "durable.result.recorded": True,
+    }) as span:
+        span.set_status(Status(StatusCode.ERROR))
+    with tracer.start_as_current_span("ask human", attributes={
+        "durable.session.id": session, "durable.action.id": "ask-1", "durable.action.kind": "user_prompt",
+        "durable.cache.cacheable": True, "durable.result.recorded": True,
+    }):
+        pass
+
+
+def spans_of(request: Any) -> list[Any]:
+    return [span for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans]
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
+    """Poll ``predicate`` until true or the time is up (bounded)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+_ids = iter(range(1, 1 << 62))
+_ids_lock = threading.Lock()
+
+
+def _set_value(target: Any, value: Any) -> None:
+    if isinstance(value, bool):
+        target.bool_value = value
+    elif isinstance(value, int):
+        target.int_value = value
+    elif isinstance(value, str):
+        target.string_value = value
+    elif isinstance(value, list):
+        target.array_value.SetInParent()
+        for element in value:
+            _set_value(target.array_value.values.add(), element)
+    else:
+        raise TypeError(type(value).__name__)
+
+
+def make_request(
+    *spans: Mapping[str, Any], service: str = "svc", start_ns: int = 1_793_524_440_000_000_000,
+) -> trace_service_pb2.ExportTraceServiceRequest:
+    """One ResourceSpans holding a span per attribute mapping, each with fresh trace and span ids."""
+    out = trace_service_pb2.ExportTraceServiceRequest()
+    resource_spans = out.resource_spans.add()
+    _set_value(_add_kv(resource_spans.resource.attributes, "service.name"), service)
+    scope_spans = resource_spans.scope_spans.add()
+    scope_spans.scope.name = "durable-check-tests"
+    for index, attributes in enumerate(spans):
+        with _ids_lock:
+            n = next(_ids)
+        span = scope_spans.spans.add()
+        span.name = f"span {n}"
+        span.trace_id = n.to_bytes(16, "big")
+        span.span_id = n.to_bytes(8, "big")
+        span.start_time_unix_nano = start_ns + index * 1_000_000
+        span.end_time_unix_nano = span.start_time_unix_nano + 500_000
+        for key, value in attributes.items():
+            _set_value(_add_kv(span.attributes, key), value)
+    return out
+
+
+def _add_kv(target: Any, key: str) -> Any:
+    kv = target.add()
+    kv.key = key
+    return kv.value

@@ -1,0 +1,184 @@
+"""OTLP/gRPC into serve: the SDK's own exporter, backpressure under a flood, and bad input."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from processor.receive.otlp_grpc import TRACE_SERVICE
+from tests.serve_support import (
+    Recording,
+    emit_durable_spans,
+    keys_of,
+    make_request,
+    read_jsonl,
+    replay_keys,
+    run_refund_agent,
+    running,
+    serve_config,
+)
+
+EXPORT = f"/{TRACE_SERVICE}/Export"
+
+
+def _raw_export(port: int, body: bytes, timeout_s: float = 10.0) -> tuple[grpc.StatusCode, str, Any]:
+    """Send ``body`` as the Export request, unparsed: what a broken client would send."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(EXPORT, request_serializer=None, response_deserializer=None)
+        try:
+            response = call(body, timeout=timeout_s)
+        except grpc.RpcError as error:
+            return error.code(), error.details() or "", None
+    answer = trace_service_pb2.ExportTraceServiceResponse()
+    answer.ParseFromString(response)
+    return grpc.StatusCode.OK, "", answer
+
+
+def _good_request(session: str = "s-good", action: str = "a-1") -> trace_service_pb2.ExportTraceServiceRequest:
+    return make_request({
+        "durable.session.id": session, "durable.action.id": action, "durable.action.kind": "write",
+        "durable.idempotency_key": f"k-{action}",
+    })
+
+
+def test_sdk_grpc_exporter_agent_run_finds_what_replay_finds(tmp_path: Path) -> None:
+    config = serve_config(tmp_path)
+    with running(config) as server:
+        exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{server.grpc_port}", insecure=True)
+        recording = Recording(exporter)
+        output = run_refund_agent(recording.provider)
+        emit_durable_spans(recording.provider, "s-durable-grpc")
+        recording.shutdown()
+    assert "refund_payment" in output
+    found = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    expected = replay_keys([recording.request()], config)
+    assert found == expected
+    rules = {rule for rule, _, _ in found}
+    # The agent's refund is an unkeyed payment; the durable spans trip their own rules.
+    assert "DS002" in rules
+    assert {("DS003", "s-durable-grpc", "call-1"), ("DS005", "s-durable-grpc", "ask-1")} <= found
+
+
+def test_flood_beyond_the_queue_is_delayed_not_lost(tmp_path: Path) -> None:
+    config = serve_config(tmp_path, {"queue": {"max_requests": 2, "max_spans": 400, "retry_after": "200ms"}})
+    senders, batches, per_batch = 8, 6, 100
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("flood")
+    for i in range(senders * batches * per_batch):
+        with tracer.start_as_current_span("tool", attributes={
+            "durable.session.id": f"s-{i % 50}", "durable.action.id": f"a-{i}", "durable.action.kind": "write",
+            "durable.idempotency_key": f"k-{i}",
+        }):
+            pass
+    spans = list(memory.get_finished_spans())
+    chunks = [spans[i:i + per_batch] for i in range(0, len(spans), per_batch)]
+    with running(config) as server:
+        def send(part: list[Any]) -> list[SpanExportResult]:
+            exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{server.grpc_port}", insecure=True, timeout=30)
+            try:
+                return [exporter.export(chunk) for chunk in part]
+            finally:
+                exporter.shutdown()
+
+        with concurrent.futures.ThreadPoolExecutor(senders) as pool:
+            results = list(pool.map(send, [chunks[i::senders] for i in range(senders)]))
+        refused = server.telemetry.registry.get_sample_value(
+            "durable_check_spans_rejected_total", {"protocol": "grpc", "reason": "queue_full"}
+        )
+        processed = server.worker.processed_spans
+    assert all(r == SpanExportResult.SUCCESS for part in results for r in part)
+    assert processed == len(spans)
+    # The queue did overflow: the exporters' retries are what carried those spans through.
+    assert refused > 0
+
+
+def test_bad_input_gets_its_status_and_the_server_keeps_serving(tmp_path: Path) -> None:
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"max_recv_msg_size": "256KiB"}}}})
+    good = _good_request().SerializeToString()
+    with running(config) as server:
+        port = server.grpc_port
+        cases: dict[str, tuple[bytes, grpc.StatusCode, str]] = {
+            "garbage": (b"\xff\xfe not protobuf \x00\x01", grpc.StatusCode.INVALID_ARGUMENT, "Wire format was corrupt"),
+            "truncated": (good[:-7], grpc.StatusCode.INVALID_ARGUMENT, "cannot decode"),
+            "over the limit": (
+                make_request({"big": "x" * 300_000}).SerializeToString(),
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "",
+            ),
+            "invalid UTF-8": (
+                good.replace(b"s-good", b"s-\xff\xfeod"), grpc.StatusCode.INVALID_ARGUMENT, "bad UTF-8",
+            ),
+        }
+        for name, (body, code, words) in cases.items():
+            got, details, _ = _raw_export(port, body)
+            assert got == code, name
+            assert words in details, (name, details)
+            # The next client is served as usual.
+            assert _raw_export(port, good)[0] == grpc.StatusCode.OK, name
+
+        # 10,000 attributes on one span: accepted and evaluated, not a crash.
+        attributes: dict[str, Any] = {f"attr.{i}": i for i in range(10_000)}
+        attributes.update(
+            {"durable.session.id": "s-wide", "durable.action.id": "wide-1", "durable.action.kind": "payment"}
+        )
+        code, _, answer = _raw_export(port, make_request(attributes).SerializeToString())
+        assert code == grpc.StatusCode.OK
+        assert answer.partial_success.rejected_spans == 0
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            unknown = channel.unary_unary(f"/{TRACE_SERVICE}/Nope", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as caught:
+                unknown(b"", timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    found = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    assert ("DS002", "s-wide", "wide-1") in found
+
+
+def test_unconvertible_spans_are_partial_success_and_ds000(tmp_path: Path) -> None:
+    config = serve_config(tmp_path)
+    bad_type = {
+        "durable.session.id": "s-partial", "durable.action.id": "bad-1", "durable.action.kind": "write",
+        "durable.retry.max_attempts": "three",
+    }
+    fine = {
+        "durable.session.id": "s-partial", "durable.action.id": "ok-1", "durable.action.kind": "write",
+        "durable.idempotency_key": "k-1",
+    }
+    body = make_request(bad_type, fine).SerializeToString()
+    with running(config) as server:
+        code, _, answer = _raw_export(server.grpc_port, body)
+    assert code == grpc.StatusCode.OK
+    assert answer.partial_success.rejected_spans == 1
+    assert "durable.retry.max_attempts" in answer.partial_success.error_message
+    assert "three" not in answer.partial_success.error_message
+    rules = [d["rule"] for d in read_jsonl(tmp_path / "violations.jsonl") if d["session_id"] == "s-partial"]
+    assert rules == ["DS000"]
+
+
+def test_empty_request_is_acknowledged(tmp_path: Path) -> None:
+    with running(serve_config(tmp_path)) as server:
+        code, _, answer = _raw_export(server.grpc_port, b"")
+    assert code == grpc.StatusCode.OK
+    assert answer.partial_success.rejected_spans == 0
+
+
+def test_gzip_compressed_export_from_the_sdk(tmp_path: Path) -> None:
+    from grpc import Compression
+
+    with running(serve_config(tmp_path)) as server:
+        exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{server.grpc_port}", insecure=True,
+                                    compression=Compression.Gzip)
+        recording = Recording(exporter, batch=False)
+        emit_durable_spans(recording.provider, "s-gzip")
+        recording.shutdown()
+    assert ("DS003", "s-gzip", "call-1") in keys_of(read_jsonl(tmp_path / "violations.jsonl"))

@@ -1,0 +1,480 @@
+"""Operating serve: health and readiness, draining, TLS and mTLS, bearer tokens, SIGTERM under load."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from processor.receive.otlp_grpc import TRACE_SERVICE
+from processor.serve import Server, build_pipeline
+from processor.telemetry import Telemetry
+from tests.serve_support import config_file, keys_of, make_request, read_jsonl, running, serve_config, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+
+
+# -- certificates -------------------------------------------------------------------------
+# A throwaway CA, server and client certificates: with the cryptography package when it
+# is installed, else with the openssl command.
+
+
+def _pki_with_cryptography(tmp: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    def write(stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        (tmp / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (tmp / f"{stem}-key.pem").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ))
+
+    def builder(subject: str, issuer: x509.Name, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    cas = {}
+    for ca_name in ("test-ca", "other-ca"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            builder(ca_name, name(ca_name), key)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
+                key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
+            ), critical=True)
+            .sign(key, hashes.SHA256())
+        )
+        write(ca_name, cert, key)
+        cas[ca_name] = (cert, key)
+    ca_cert, ca_key = cas["test-ca"]
+    for leaf, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        leaf_builder = builder(leaf, ca_cert.subject, key).add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if leaf == "server":
+            leaf_builder = leaf_builder.add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            ]), critical=False)
+        write(leaf, leaf_builder.sign(ca_key, hashes.SHA256()), key)
+
+
+def _pki_with_openssl(tmp: Path) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("neither the cryptography package nor the openssl command is available")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=tmp, check=True, capture_output=True, timeout=60)
+
+    curve = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    for ca_name in ("test-ca", "other-ca"):
+        run("req", "-x509", *curve, "-keyout", f"{ca_name}-key.pem", "-out", f"{ca_name}.pem", "-days", "1",
+            "-subj", f"/CN={ca_name}", "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature")
+    extensions = {
+        "server": "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+        "client": "extendedKeyUsage=clientAuth\n",
+    }
+    for serial, (leaf, ext) in enumerate(extensions.items(), start=1000):
+        (tmp / f"{leaf}.ext").write_text(ext, encoding="utf-8")
+        run("req", *curve, "-keyout", f"{leaf}-key.pem", "-out", f"{leaf}.csr", "-subj", f"/CN={leaf}")
+        run("x509", "-req", "-in", f"{leaf}.csr", "-CA", "test-ca.pem", "-CAkey", "test-ca-key.pem",
+            "-set_serial", str(serial), "-days", "1", "-out", f"{leaf}.pem", "-extfile", f"{leaf}.ext")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("pki")
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        _pki_with_openssl(tmp)
+    else:
+        _pki_with_cryptography(tmp)
+    return {
+        "ca": tmp / "test-ca.pem", "other_ca": tmp / "other-ca.pem",
+        "server_cert": tmp / "server.pem", "server_key": tmp / "server-key.pem",
+        "client_cert": tmp / "client.pem", "client_key": tmp / "client-key.pem",
+    }
+
+
+def _spans(n: int = 3) -> list[Any]:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("ops")
+    for i in range(n):
+        with tracer.start_as_current_span("pay", attributes={
+            "durable.session.id": f"s-ops-{i}", "durable.action.id": f"pay-{i}", "durable.action.kind": "payment",
+        }):
+            pass
+    return list(memory.get_finished_spans())
+
+
+def _health(channel: grpc.Channel, service: str = "") -> Any:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+# -- health, readiness, draining -------------------------------------------------------------
+
+
+def test_health_and_readiness_follow_the_lifecycle(tmp_path: Path) -> None:
+    with running(serve_config(tmp_path)) as server:
+        http = f"http://127.0.0.1:{server.http_port}"
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert _health(channel, TRACE_SERVICE) == health_pb2.HealthCheckResponse.SERVING
+            assert httpx.get(f"{http}/healthz").json() == {"status": "alive"}
+            assert httpx.get(f"{http}/readyz").status_code == 200
+
+            assert server.loop is not None
+            asyncio.run_coroutine_threadsafe(server.begin_drain(), server.loop).result(5)
+
+            assert _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert _health(channel, TRACE_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert httpx.get(f"{http}/healthz").status_code == 200
+            ready = httpx.get(f"{http}/readyz")
+            assert (ready.status_code, ready.json()["reason"]) == (503, "shutting down")
+
+            # New data is refused with "retry later", never dropped in silence.
+            stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Export(make_request({"durable.session.id": "s", "durable.action.id": "a"}), timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            trailing = dict(caught.value.trailing_metadata())
+            status = status_pb2.Status.FromString(trailing["grpc-status-details-bin"])
+            info = error_details_pb2.RetryInfo()
+            assert status.details[0].Unpack(info)
+            assert info.retry_delay.seconds + info.retry_delay.nanos / 1e9 >= 1.0
+
+            response = httpx.post(f"{http}/v1/traces", headers=PROTOBUF,
+                                  content=make_request({"durable.session.id": "s"}).SerializeToString())
+            assert response.status_code == 503
+            assert int(response.headers["retry-after"]) >= 1
+            assert status_pb2.Status.FromString(response.content).code == 14  # UNAVAILABLE
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+def test_tls_accepts_a_client_that_trusts_the_server_and_refuses_one_that_does_not(
+    tmp_path: Path, pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # requests lets these variables override the exporter's own certificate_file.
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+    tls = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"])}
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"tls": tls}, "http": {"tls": tls}}}})
+    with running(config) as server:
+        trusted = grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes())
+        exporter = GrpcExporter(endpoint=f"127.0.0.1:{server.grpc_port}", credentials=trusted, timeout=5)
+        assert exporter.export(_spans()) == SpanExportResult.SUCCESS
+        exporter.shutdown()
+        http_exporter = HttpExporter(endpoint=f"https://127.0.0.1:{server.http_port}/v1/traces",
+                                     certificate_file=str(pki["ca"]), timeout=5)
+        assert http_exporter.export(_spans()) == SpanExportResult.SUCCESS
+        http_exporter.shutdown()
+
+        untrusted = grpc.ssl_channel_credentials(root_certificates=pki["other_ca"].read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{server.grpc_port}", untrusted) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                trace_service_pb2_grpc.TraceServiceStub(channel).Export(make_request({}), timeout=3)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(httpx.ConnectError):
+            httpx.post(f"https://127.0.0.1:{server.http_port}/v1/traces",
+                       verify=ssl.create_default_context(cafile=str(pki["other_ca"])), content=b"", headers=PROTOBUF)
+        # Plaintext to a TLS port does not get through either.
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel, pytest.raises(grpc.RpcError):
+            trace_service_pb2_grpc.TraceServiceStub(channel).Export(make_request({}), timeout=3)
+
+
+def test_mtls_requires_a_client_certificate(tmp_path: Path, pki: dict[str, Path]) -> None:
+    tls = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"]), "client_ca_file": str(pki["ca"])}
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"tls": tls}, "http": {"tls": tls}}}})
+    ca, cert, key = (pki[k].read_bytes() for k in ("ca", "client_cert", "client_key"))
+    with running(config) as server:
+        with_cert = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        exporter = GrpcExporter(endpoint=f"127.0.0.1:{server.grpc_port}", credentials=with_cert, timeout=5)
+        assert exporter.export(_spans()) == SpanExportResult.SUCCESS
+        exporter.shutdown()
+        url = f"https://127.0.0.1:{server.http_port}/v1/traces"
+        body = make_request({"durable.session.id": "s-mtls"}).SerializeToString()
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        context.load_cert_chain(str(pki["client_cert"]), str(pki["client_key"]))
+        assert httpx.post(url, verify=context, content=body, headers=PROTOBUF).status_code == 200
+
+        without_cert = grpc.ssl_channel_credentials(root_certificates=ca)
+        with grpc.secure_channel(f"127.0.0.1:{server.grpc_port}", without_cert) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                trace_service_pb2_grpc.TraceServiceStub(channel).Export(make_request({}), timeout=3)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(url, verify=ssl.create_default_context(cafile=str(pki["ca"])), content=body, headers=PROTOBUF)
+
+
+# -- bearer tokens ----------------------------------------------------------------------------------
+
+
+def test_bearer_token_accepts_the_right_client_and_refuses_the_wrong_one(tmp_path: Path) -> None:
+    auth = {"bearer_token": "right-token"}
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"auth": auth}, "http": {"auth": auth}}}})
+    with running(config) as server:
+        grpc_endpoint = f"127.0.0.1:{server.grpc_port}"
+        http_url = f"http://127.0.0.1:{server.http_port}/v1/traces"
+        right = {"authorization": "Bearer right-token"}
+        wrong = {"authorization": "Bearer wrong-token"}
+
+        exporter = GrpcExporter(endpoint=grpc_endpoint, insecure=True, headers=right, timeout=5)
+        assert exporter.export(_spans()) == SpanExportResult.SUCCESS
+        exporter.shutdown()
+        http_exporter = HttpExporter(endpoint=http_url, headers=right, timeout=5)
+        assert http_exporter.export(_spans()) == SpanExportResult.SUCCESS
+        http_exporter.shutdown()
+
+        with grpc.insecure_channel(grpc_endpoint) as channel:
+            stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+            for metadata in (tuple(wrong.items()), (), (("authorization", "Basic cmlnaHQtdG9rZW4="),)):
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.Export(make_request({}), metadata=metadata, timeout=5)
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "wrong-token" not in (caught.value.details() or "")
+            # Probes need no token.
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+
+        body = make_request({"durable.session.id": "s"}).SerializeToString()
+        for headers in (wrong, {}):
+            response = httpx.post(http_url, content=body, headers={**PROTOBUF, **headers})
+            assert response.status_code == 401
+            assert response.headers["www-authenticate"] == "Bearer"
+        assert httpx.post(http_url, content=body, headers={**PROTOBUF, **right}).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{server.http_port}/readyz").status_code == 200
+    found = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    assert ("DS002", "s-ops-0", "pay-0") in found
+
+
+# -- SIGTERM under load -------------------------------------------------------------------------------
+
+
+def _read_lines(stream: Any, into: queue.Queue[str]) -> None:
+    for line in iter(stream.readline, ""):
+        into.put(line)
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_loses_nothing_that_was_acknowledged(tmp_path: Path) -> None:
+    path = config_file(tmp_path, {"queue": {"max_requests": 8}, "evaluate": {"allowed_lateness": "2s"}})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "processor.cli", "serve", "--config", str(path)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stderr, lines), daemon=True).start()
+    ports: dict[str, int] = {}
+    log: list[str] = []
+    deadline = time.monotonic() + 30
+    try:
+        while len(ports) < 2 and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                assert proc.poll() is None, "serve exited: " + "".join(log)
+                continue
+            log.append(line)
+            for protocol in ("gRPC", "HTTP"):
+                marker = f"OTLP/{protocol} receiver listening on "
+                if marker in line:
+                    ports[protocol] = int(line.rsplit(":", 1)[1])
+        assert len(ports) == 2, "".join(log)
+
+        acked: list[tuple[str, str]] = []
+        acked_lock = threading.Lock()
+        stop_sending = threading.Event()
+
+        def payments(sender: str, n: int) -> tuple[list[tuple[str, str]], bytes, Any]:
+            keys = [(f"s-{sender}-{n}-{i}", f"pay-{sender}-{n}-{i}") for i in range(20)]
+            message = make_request(*[
+                {"durable.session.id": s, "durable.action.id": a, "durable.action.kind": "payment"} for s, a in keys
+            ])
+            return keys, message.SerializeToString(), message
+
+        def grpc_sender(sender: str) -> None:
+            with grpc.insecure_channel(f"127.0.0.1:{ports['gRPC']}") as channel:
+                stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+                for n in range(2000):
+                    if stop_sending.is_set():
+                        return
+                    keys, _, message = payments(sender, n)
+                    try:
+                        stub.Export(message, timeout=10)
+                    except grpc.RpcError:
+                        return  # refused while shutting down, or gone: not acknowledged
+                    with acked_lock:
+                        acked.extend(keys)
+
+        def http_sender(sender: str) -> None:
+            with httpx.Client(timeout=10) as client:
+                for n in range(2000):
+                    if stop_sending.is_set():
+                        return
+                    keys, body, _ = payments(sender, n)
+                    try:
+                        response = client.post(f"http://127.0.0.1:{ports['HTTP']}/v1/traces", content=body,
+                                               headers=PROTOBUF)
+                    except httpx.HTTPError:
+                        return
+                    if response.status_code != 200:
+                        return
+                    with acked_lock:
+                        acked.extend(keys)
+
+        senders = [threading.Thread(target=grpc_sender, args=(f"g{i}",)) for i in range(3)]
+        senders += [threading.Thread(target=http_sender, args=(f"h{i}",)) for i in range(2)]
+        for thread in senders:
+            thread.start()
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        stop_sending.set()
+        for thread in senders:
+            thread.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert code == 0, "".join(log) + "".join(lines.queue)
+    assert len(acked) > 100
+    found = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    missing = [key for key in acked if ("DS002", *key) not in found]
+    assert missing == []
+
+
+def test_sqlite_state_keeps_held_back_spans_across_a_restart(tmp_path: Path) -> None:
+    config = serve_config(tmp_path, {
+        "state": {"backend": "sqlite", "path": str(tmp_path / "state.db")},
+        "evaluate": {"allowed_lateness": "3s"},
+    })
+    keys = [(f"s-restart-{i}", f"pay-{i}") for i in range(5)]
+    message = make_request(*[
+        {"durable.session.id": s, "durable.action.id": a, "durable.action.kind": "payment"} for s, a in keys
+    ])
+    with running(config) as server:
+        response = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/traces", content=message.SerializeToString(),
+                              headers=PROTOBUF)
+        assert response.status_code == 200
+    # Stopped within the allowed lateness: the spans were still held for ordering, in the store.
+    assert (tmp_path / "state.db").exists()
+    expected = {("DS002", s, a) for s, a in keys}
+    assert not expected & keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    with running(config):
+        assert wait_for(lambda: expected <= keys_of(read_jsonl(tmp_path / "violations.jsonl")), timeout_s=15)
+
+
+def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for receiver in ("grpc", "http"):
+            config = serve_config(tmp_path, {"receivers": {"otlp": {receiver: {"endpoint": f"127.0.0.1:{port}"}}}})
+            telemetry = Telemetry()
+            server = Server(config, build_pipeline(config, telemetry), telemetry)
+
+            async def attempt(server: Server = server) -> None:
+                try:
+                    await server.start()
+                finally:
+                    await server.shutdown(5.0)
+
+            with pytest.raises(OSError, match=f"receivers.otlp.{receiver}.endpoint: cannot listen on 127.0.0.1:{port}"):
+                asyncio.run(attempt())
+
+
+def test_refused_requests_are_logged_once_per_interval_without_values(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    auth = {"bearer_token": "sekret-token"}
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"http": {"auth": auth}}}})
+    with running(config) as server:
+        url = f"http://127.0.0.1:{server.http_port}/v1/traces"
+        body = make_request({"durable.session.id": "private-session-value"}).SerializeToString()
+        with httpx.Client() as client:
+            right = {**PROTOBUF, "authorization": "Bearer sekret-token"}
+            wrong = {**PROTOBUF, "authorization": "Bearer guessed-token"}
+            for _ in range(5):
+                assert client.post(url, content=body[:-3], headers=right).status_code == 400
+            for _ in range(3):
+                assert client.post(url, content=body, headers=wrong).status_code == 401
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len([m for m in refusals if "(400)" in m]) == 1
+    assert len([m for m in refusals if "(401)" in m]) == 1
+    for secret in ("private-session-value", "sekret-token", "guessed-token"):
+        assert secret not in caplog.text
+
+
+def test_queue_is_bounded_by_requests_and_spans_and_refuses_after_close() -> None:
+    from processor.receive.queue import Batch, IngestQueue, QueueClosed, QueueFull
+
+    queue_ = IngestQueue(max_requests=2, max_spans=100, retry_after_s=0.5, telemetry=Telemetry())
+
+    def batch(spans: int) -> Batch:
+        return Batch(request=None, span_count=spans, protocol="grpc", origin="test")
+
+    # An empty queue takes a request larger than max_spans: it could never fit otherwise.
+    queue_.try_put(batch(150))
+    with pytest.raises(QueueFull) as caught:
+        queue_.try_put(batch(1))
+    assert 0.5 <= caught.value.retry_after_s <= 0.75
+    assert queue_.get(0.1) is not None
+    queue_.try_put(batch(60))
+    with pytest.raises(QueueFull):
+        queue_.try_put(batch(41))  # 101 spans
+    queue_.try_put(batch(40))
+    with pytest.raises(QueueFull):
+        queue_.try_put(batch(0))  # 2 requests
+    assert queue_.is_full()
+    queue_.close()
+    with pytest.raises(QueueClosed):
+        queue_.try_put(batch(1))
+    # What was accepted before the close is still handed out, then the queue reports drained.
+    assert [queue_.get(0.1) is not None for _ in range(2)] == [True, True]
+    assert queue_.get(0.1) is None
+    assert queue_.drained()

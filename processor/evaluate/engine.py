@@ -1,0 +1,1270 @@
+"""The streaming, per-session, stateful rule engine that replay and serve both drive.
+
+**Order.** Within a session, records are evaluated in event-time order (``time_ns``,
+then ``seq``, then arrival). Action-log records (source ``log``) are one line per action
+in the order the agent wrote them: they are evaluated at arrival. Spans are held in a
+reordering buffer and released in order once the *watermark* passes them. The
+watermark is ``max event time seen - allowed_lateness`` (never moving back); in serve
+it also moves with the clock: a span buffered for ``allowed_lateness`` of wall time
+is released together with everything not later than it. A span that arrives behind
+the watermark is *late*: counted and evaluated at once, never dropped. A session whose
+buffer reaches ``max_buffered_per_session`` forces the watermark forward.
+
+**Duplicates.** A span's ``delivery_key`` (trace, span, event index) is remembered per
+session (bounded); a second delivery is skipped before any rule and counted.
+
+**Timers.** An absence wait with a time deadline fires when it passes unresolved:
+before a later record of its session is evaluated (event-time order), and when the
+session is silent: in replay once the watermark is past the deadline (at the end of
+the input, once the deadline is not after the last event time); in serve once the
+clock is past ``deadline + allowed_lateness`` and the wait was received at least
+``allowed_lateness`` ago, so that a resolution delivered just after its wait, or a
+dump of old spans sent live, raises no false alarm. The violation carries the
+deadline as its time. Waits still pending at the end are *open waits*, not violations.
+
+**Sessions.** A session ends after ``session_idle_timeout_s`` without records (event
+time in replay, the clock in serve; checked in steps of 1/1024 of the timeout). A
+session with a timed wait pending does not expire before the wait fires: the deadline
+is what it is waiting for. Waits without a time deadline (``within_actions`` only) end
+with the session and are listed, as still open, in its summary (replay keeps summaries
+of ended sessions, serve does not). At ``max_sessions`` the least recently active
+session is evicted (state dropped, counted, logged without ids or values). Per
+session, each stateful rule keeps at most ``max_groups_per_rule`` groups (oldest
+dropped first).
+
+**Messages** render in the activation in which the rule fired. An absence fires when
+its waiting record is gone: ``record`` and ``first`` are then both the fields kept from
+it, and the engine keeps the fields the rule's message reads of ``record`` as well as
+those its ``then`` reads of ``first``. For a malformed item, ``meta`` holds ``source``,
+``line`` and ``problem``.
+
+**Rules.** The semantics of each rule type are those of :mod:`processor.evaluate.model`.
+Within one record, a stateful rule checks ``then`` against the existing state before
+``first`` may open or replace it (a record is never its own "later record"). A rule
+whose expression raises EvaluationError on a record does not fire on it; the error is
+counted per rule (``summary().rule_errors``) and logged once per rule, without values.
+
+**State** lives in live :class:`~processor.state.session.SessionState` objects that
+the engine mutates; a :class:`~processor.state.base.StateStore` is handed the changed
+ones at the end of every batch and commits them (see :mod:`processor.state.base`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+import math
+import sys
+import time
+from bisect import bisect_right, insort
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any, Final, Literal, cast
+
+from processor.errors import EvaluationError
+from processor.evaluate.model import Rule, RuleSet
+from processor.records import FIELD_TYPES, NONDETERMINISTIC_KINDS, SIDE_EFFECT_KINDS, Action, Malformed
+from processor.state.base import EngineStateLike, StateStore, TimerEntry
+from processor.state.memory import MemoryStore
+from processor.state.session import (
+    MISSING,
+    CountState,
+    GroupKey,
+    Provenance,
+    RuleSchema,
+    SequenceState,
+    SessionState,
+    StateKind,
+    Wait,
+    group_key,
+    prov_identity,
+)
+from processor.summary import EngineSummary, OpenWait, SessionEnd, SessionSummary
+from processor.telemetry import Telemetry
+from processor.violations import Violation, make_violation_id, record_identity
+
+log = logging.getLogger(__name__)
+
+_NS: Final = 1_000_000_000
+_NEVER: Final = -(1 << 62)
+# Fields kept when an expression reads ``first`` as a whole: the record's known fields
+# but not its payload.
+_WHOLE_FIRST_FIELDS: Final = tuple(sorted(f for f in FIELD_TYPES if f != "result"))
+_EMPTY: Final[Mapping[str, Any]] = {}
+# Telemetry labels come from records; they are bounded so a stray value cannot explode cardinality.
+_KNOWN_KINDS: Final = frozenset(NONDETERMINISTIC_KINDS | SIDE_EFFECT_KINDS | {"tool_call", "approval", "checkpoint"})
+_MAX_SERVICE_LABELS: Final = 200
+_EVICTION_LOG_INTERVAL_S: Final = 60.0
+_KEPT_CACHE_MAX: Final = 50_000
+_EXPIRY_BUCKETS: Final = 1024
+_WAIT_STATE_LABELS: Final = ("awaiting_approval", "waiting_on_external", "other")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    strict: bool = False
+    allowed_lateness_s: float = 5.0
+    # Sessions live for weeks: days, not minutes.
+    session_idle_timeout_s: float = 7 * 86400
+    # Bound on open sessions; the least recently active is evicted beyond it.
+    max_sessions: int = 100_000
+    mode: Literal["replay", "serve"] = "replay"
+    # Bound on one session's records in the reordering buffer.
+    max_buffered_per_session: int = 10_000
+    # Bound on one stateful rule's groups within one session (oldest dropped first).
+    max_groups_per_rule: int = 10_000
+    # Bound on the delivery keys remembered per session for duplicate detection.
+    max_seen_per_session: int = 10_000
+    # Summaries of ended (expired, evicted) sessions kept for summary() in replay, whose report
+    # lists every session; serve keeps none (it reports through telemetry).
+    max_ended_sessions: int = 100_000
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in ("replay", "serve"):
+            problems.append("mode must be replay or serve")
+        if not self.allowed_lateness_s >= 0:
+            problems.append("allowed_lateness_s must be >= 0")
+        if not self.session_idle_timeout_s > 0:
+            problems.append("session_idle_timeout_s must be > 0")
+        for name in ("max_sessions", "max_buffered_per_session", "max_groups_per_rule", "max_seen_per_session"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if self.max_ended_sessions < 0:
+            problems.append("max_ended_sessions must be >= 0")
+        if problems:
+            raise ValueError("invalid engine options: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------
+# Compiled rule plans
+
+
+class _Plan:
+    """A rule prepared for the hot path: its attributes flattened, durations in ns."""
+
+    __slots__ = (
+        "compact",
+        "condition",
+        "condition_fn",
+        "deadline",
+        "field",
+        "first",
+        "first_names",
+        "group_by",
+        "group_fn",
+        "id",
+        "index",
+        "keep_latest",
+        "kind",
+        "name",
+        "needs_prov",
+        "report_first",
+        "rule",
+        "severity",
+        "tags",
+        "then",
+        "threshold",
+        "window_ns",
+        "within_actions",
+        "within_ns",
+    )
+
+    def __init__(self, rule: Rule, index: int) -> None:
+        self.rule = rule
+        self.index = index
+        self.id = rule.id
+        self.name = rule.name
+        self.severity = rule.severity
+        self.tags = rule.tags
+        self.kind = rule.type
+        self.condition = rule.condition
+        # The compiled closures themselves: one call less than CompiledExpression.predicate.
+        self.condition_fn = None if rule.condition is None else rule.condition.evaluate
+        self.group_by = rule.group_by
+        self.group_fn = rule.group_by[0].evaluate if len(rule.group_by) == 1 else None
+
+        self.first = rule.first
+        self.then = rule.then
+        self.keep_latest = rule.keep == "latest"
+        self.report_first = rule.report_on == "first"
+        self.within_ns = None if rule.within_s is None else round(rule.within_s * _NS)
+        self.deadline = rule.deadline
+        self.within_actions = rule.within_actions
+        self.field = rule.field
+        self.threshold = rule.threshold
+        self.window_ns = None if rule.window_s is None else round(rule.window_s * _NS)
+        kept = set(rule.first_fields)
+        if rule.type == "absence":
+            # An absence fires when the waiting record is long gone: its message reads the
+            # kept fields as ``record`` too, so keep what the message reads of ``record``.
+            # A payload (``result``) is never kept for a message.
+            for part in rule.message.parts:
+                if not isinstance(part, str):
+                    kept.update(f for v, f in part.references if v == "record" and f and f != "result")
+        if "*" in kept:
+            self.first_names: tuple[str, ...] = _WHOLE_FIRST_FIELDS
+        else:
+            self.first_names = tuple(sorted(kept))
+        # A violation may later be reported on the opening record, long after it is gone.
+        self.needs_prov = rule.type == "absence" or (rule.type == "sequence" and self.report_first)
+        self.compact = rule.type == "sequence" and self.within_ns is None and not self.report_first
+
+
+# ---------------------------------------------------------------------------
+# Engine-wide state (what a store persists besides sessions)
+
+
+class _Buffered:
+    """A span waiting in the reordering buffer; ordered by (time, seq, arrival)."""
+
+    __slots__ = ("action", "arrival", "key", "received_ns")
+
+    def __init__(self, action: Action, arrival: int, received_ns: int) -> None:
+        self.action = action
+        self.arrival = arrival
+        self.received_ns = received_ns
+        self.key = (action.time_ns or 0, action.seq, arrival)
+
+    def __lt__(self, other: _Buffered) -> bool:
+        return self.key < other.key
+
+
+def _action_to_plain(action: Action) -> dict[str, Any]:
+    return {
+        "record": action.record,
+        "source": action.source,
+        "origin": action.origin,
+        "line": action.line,
+        "time_ns": action.time_ns,
+        "seq": action.seq,
+        "delivery_key": None if action.delivery_key is None else list(action.delivery_key),
+        "synthetic_action_id": action.synthetic_action_id,
+    }
+
+
+def _action_from_plain(plain: Mapping[str, Any]) -> Action:
+    key = plain.get("delivery_key")
+    return Action(
+        record=dict(plain["record"]),
+        source=plain["source"],
+        origin=plain.get("origin", ""),
+        line=plain.get("line"),
+        time_ns=plain.get("time_ns"),
+        seq=int(plain.get("seq", 0)),
+        delivery_key=None if key is None else (str(key[0]), str(key[1]), int(key[2])),
+        synthetic_action_id=bool(plain.get("synthetic_action_id", False)),
+    )
+
+
+_COUNTERS: Final = (
+    "actions_seen",
+    "actions_evaluated",
+    "duplicates",
+    "late",
+    "malformed",
+    "sessions_expired",
+    "sessions_evicted",
+    "groups_dropped",
+)
+
+
+class EngineState(EngineStateLike):
+    """Watermark, counters and the reordering buffer: the engine-wide part of the state."""
+
+    def __init__(self) -> None:
+        self.max_event_ns = _NEVER
+        self.watermark_ns = _NEVER
+        self.arrivals = 0
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.violations_by_rule: dict[str, int] = {}
+        self.rule_errors: dict[str, int] = {}
+        self.buffer: list[_Buffered] = []
+        # Serve: (received wall time, event time) of buffered spans in arrival order.
+        self.received: deque[tuple[int, int]] = deque()
+
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "max_event_ns": self.max_event_ns,
+            "watermark_ns": self.watermark_ns,
+            "arrivals": self.arrivals,
+            "counters": dict(self.counters),
+            "violations_by_rule": dict(self.violations_by_rule),
+            "rule_errors": dict(self.rule_errors),
+            "buffer": [
+                {"action": _action_to_plain(b.action), "arrival": b.arrival, "received_ns": b.received_ns}
+                for b in sorted(self.buffer)
+            ],
+        }
+
+    @classmethod
+    def from_plain(cls, plain: Mapping[str, Any]) -> EngineState:
+        state = cls()
+        state.max_event_ns = int(plain["max_event_ns"])
+        state.watermark_ns = int(plain["watermark_ns"])
+        state.arrivals = int(plain["arrivals"])
+        state.counters.update({k: int(v) for k, v in plain["counters"].items()})
+        state.violations_by_rule = {str(k): int(v) for k, v in plain["violations_by_rule"].items()}
+        state.rule_errors = {str(k): int(v) for k, v in plain["rule_errors"].items()}
+        for entry in plain["buffer"]:
+            item = _Buffered(_action_from_plain(entry["action"]), int(entry["arrival"]), int(entry["received_ns"]))
+            state.buffer.append(item)
+            state.received.append((item.received_ns, item.key[0]))
+        heapq.heapify(state.buffer)
+        return state
+
+
+def _delivery_digest(key: tuple[str, str, int]) -> int:
+    # Stable across processes (str hashes are salted) and at most 64 bits (plain-data safe).
+    raw = f"{key[0]}\x1f{key[1]}\x1f{key[2]}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """CEL-like equality for ``change``: numbers compare as numbers, bool is not a number."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _str_field(record: Mapping[str, Any], name: str) -> str:
+    value = record.get(name)
+    return value if isinstance(value, str) else ""
+
+
+# ---------------------------------------------------------------------------
+# The engine
+
+
+class Engine:
+    """See the module docstring. Single-threaded: one caller drives submit/tick/finish."""
+
+    def __init__(
+        self,
+        ruleset: RuleSet,
+        options: EngineOptions = EngineOptions(),
+        store: StateStore | None = None,
+        telemetry: Telemetry | None = None,
+        *,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.options = options
+        self._serve = options.mode == "serve"
+        self._lateness_ns = round(options.allowed_lateness_s * _NS)
+        self._idle_ns = round(options.session_idle_timeout_s * _NS)
+        self._clock = clock
+        self._telemetry = telemetry
+        self._lists = ruleset.lists
+
+        active = ruleset.active(strict=options.strict)
+        self._condition_plans = [_Plan(r, -1) for r in active if r.type == "condition" and r.condition is not None]
+        self._malformed_plans = [_Plan(r, -1) for r in active if r.type == "malformed"]
+        stateful = [r for r in active if r.stateful]
+        self._stateful_plans = [_Plan(r, i) for i, r in enumerate(stateful)]
+        self._plan_by_id = {p.id: p for p in self._stateful_plans}
+        self._absence_indices = tuple(p.index for p in self._stateful_plans if p.kind == "absence")
+        handlers = {"sequence": self._sequence, "absence": self._absence, "change": self._change, "count": self._count}
+        # Each stateful rule with the method that runs its type.
+        self._stateful_runs = [(plan, handlers[plan.kind]) for plan in self._stateful_plans]
+        kinds = [cast(StateKind, p.kind) for p in self._stateful_plans]
+        self.schema = RuleSchema(
+            rule_ids=tuple(p.id for p in self._stateful_plans),
+            kinds=tuple(kinds),
+            first_names=tuple(p.first_names for p in self._stateful_plans),
+            compact=tuple(p.compact for p in self._stateful_plans),
+        )
+        self._width = len(self._stateful_plans)
+        # Kept-field tuples and per-session kind counts repeat across sessions: share one copy.
+        self._kept_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._kinds_cache: dict[tuple[str | int, ...], tuple[str | int, ...]] = {}
+
+        # One activation and one meta dict, refilled for every record: evaluation never keeps them.
+        self._meta: dict[str, Any] = {"source": "log", "synthetic_action_id": False, "line": 0, "time_ns": 0}
+        self._act: dict[str, Any] = {"record": _EMPTY, "meta": self._meta, "lists": self._lists, "first": _EMPTY}
+
+        self._store: StateStore = store if store is not None else MemoryStore()
+        self._sessions: OrderedDict[str, SessionState] = OrderedDict()
+        self._dirty: set[str] = set()
+        self._deleted: set[str] = set()
+        # Idle expiry in buckets of 1/1024 of the timeout (a session ends at most that late): a
+        # session id sits in one bucket at most once, and is checked when its bucket has passed.
+        # A list slot per session instead of a heap entry per session.
+        self._expiry_width = max(1, self._idle_ns // _EXPIRY_BUCKETS)
+        self._expiry_buckets: dict[int, list[str]] = {}
+        self._expiry_keys: list[int] = []
+        self._ended: deque[SessionSummary] = deque()
+        self._ended_dropped = 0
+        self._now_ns = 0
+        # Serve: the wall time the record being evaluated arrived (None: it arrives now).
+        self._received_ns: int | None = None
+        self._wall_release_ns = _NEVER
+        self._logged_errors: set[str] = set()
+        self._last_eviction_log = 0.0
+        self._evictions_unlogged = 0
+        # Telemetry accumulated over a batch, flushed once per batch.
+        self._tm_actions: dict[tuple[str, str, str], int] = {}
+        self._tm_violations: dict[tuple[str, str, str], int] = {}
+        self._tm_duplicates = 0
+        self._tm_late = 0
+        self._tm_evicted = 0
+        self._services: set[str] = set()
+        self._wait_states: dict[str, int] = {}
+        # Every open wait, oldest first (arrival order): the oldest_open_wait_age gauge reads the first.
+        self._open_waits: dict[Wait, None] = {}
+
+        self._state = self._restore()
+
+    # -- restore ----------------------------------------------------------------
+
+    def _restore(self) -> EngineState:
+        loaded = self._store.load_engine()
+        if isinstance(loaded, EngineState):
+            state = loaded
+        elif isinstance(loaded, dict):
+            state = EngineState.from_plain(loaded)
+        else:
+            state = EngineState()
+        for session in self._store.load_sessions(self.schema):
+            self._sessions[session.session_id] = session
+            session.buffered = 0
+            if session.activity_ns is not None:
+                self._schedule_expiry(session.activity_ns + self._idle_ns, session.session_id)
+            for _, _, wait in session.waits(self._absence_indices):
+                self._wait_states[wait.state] = self._wait_states.get(wait.state, 0) + 1
+                self._open_waits[wait] = None
+        for item in state.buffer:
+            holder = self._sessions.get(item.action.session_id)
+            if holder is not None:
+                holder.buffered += 1
+        return state
+
+    # -- public API ---------------------------------------------------------------
+
+    @property
+    def actions_seen(self) -> int:
+        return self._state.counters["actions_seen"]
+
+    @property
+    def duplicates(self) -> int:
+        return self._state.counters["duplicates"]
+
+    @property
+    def late(self) -> int:
+        return self._state.counters["late"]
+
+    @property
+    def watermark_ns(self) -> int | None:
+        wm = self._state.watermark_ns
+        return None if wm == _NEVER else wm
+
+    def submit(self, item: Action | Malformed) -> list[Violation]:
+        """One item; returns the violations that became final (buffered spans may wait for the watermark)."""
+        return self.submit_many((item,))
+
+    def submit_many(self, items: Iterable[Action | Malformed]) -> list[Violation]:
+        """The same as ``submit`` for each item, in order, with the batch work (commit, telemetry) done once."""
+        out: list[Violation] = []
+        if self._serve:
+            self._now_ns = max(self._now_ns, self._clock())
+        for item in items:
+            if isinstance(item, Action):
+                self._submit_action(item, out)
+            else:
+                self._submit_malformed(item, out)
+        self._end_batch()
+        return out
+
+    def tick(self, now_ns: int) -> list[Violation]:
+        """Serve's clock: release spans buffered for the allowed lateness, fire due timers, expire idle sessions.
+
+        In replay time is the input's own; a tick only commits.
+        """
+        out: list[Violation] = []
+        if self._serve:
+            self._now_ns = max(self._now_ns, now_ns)
+            self._advance_wall(out)
+        self._end_batch()
+        return out
+
+    def finish(self) -> list[Violation]:
+        """End of input: release every buffered span in order, then fire what is due.
+
+        Replay: deadlines not after the last event time fire; later ones stay open waits.
+        Serve: the clock rule of ``tick`` applies at the latest time seen.
+        """
+        out: list[Violation] = []
+        state = self._state
+        if self._serve:
+            self._now_ns = max(self._now_ns, self._clock())
+        while state.buffer:
+            self._release_one(out)
+        state.received.clear()
+        if self._serve:
+            self._advance_wall(out)
+        else:
+            state.watermark_ns = max(state.watermark_ns, state.max_event_ns)
+            self._fire_due(state.max_event_ns, out)
+        self._end_batch()
+        return out
+
+    # -- submission -----------------------------------------------------------------
+
+    def _submit_action(self, action: Action, out: list[Violation]) -> None:
+        state = self._state
+        counters = state.counters
+        counters["actions_seen"] += 1
+        session = self._session(action.session_id)
+        key = action.delivery_key
+        if key is not None and session.check_seen(_delivery_digest(key), self.options.max_seen_per_session):
+            counters["duplicates"] += 1
+            if action.source == "span":
+                self._tm_duplicates += 1
+            return
+        t = action.time_ns
+        self._note_activity(session, t)
+        if t is None or action.source != "span":
+            # Log lines are in the order the agent wrote them; an untimed span has no order to restore.
+            if t is not None:
+                self._observe_time(t, out)
+            self._evaluate(action, session, out)
+            return
+        if t < state.watermark_ns:
+            counters["late"] += 1
+            self._tm_late += 1
+            self._evaluate(action, session, out)
+            return
+        state.arrivals += 1
+        item = _Buffered(action, state.arrivals, self._now_ns)
+        heapq.heappush(state.buffer, item)
+        if self._serve:
+            state.received.append((self._now_ns, t))
+        session.buffered += 1
+        self._observe_time(t, out)
+        limit = self.options.max_buffered_per_session
+        while session.buffered > limit and state.buffer:
+            # The bound forces the watermark forward: the oldest buffered span goes first.
+            released = self._release_one(out)
+            state.watermark_ns = max(state.watermark_ns, released)
+
+    def _note_activity(self, session: SessionState, t: int | None) -> None:
+        """What idle expiry measures: arrivals on the clock in serve, the latest event time in replay."""
+        if self._serve:
+            now = self._now_ns
+            if session.activity_ns is None:
+                self._schedule_expiry(now + self._idle_ns, session.session_id)
+            session.activity_ns = now
+        elif t is not None and (session.activity_ns is None or t > session.activity_ns):
+            if session.activity_ns is None:
+                self._schedule_expiry(t + self._idle_ns, session.session_id)
+            session.activity_ns = t
+
+    def _observe_time(self, t: int, out: list[Violation]) -> None:
+        state = self._state
+        if t > state.max_event_ns:
+            state.max_event_ns = t
+            candidate = t - self._lateness_ns
+            if candidate > state.watermark_ns:
+                state.watermark_ns = candidate
+                self._advance(out)
+
+    def _submit_malformed(self, item: Malformed, out: list[Violation]) -> None:
+        self._state.counters["malformed"] += 1
+        session = self._session(item.session_id) if item.session_id else None
+        if session is not None:
+            self._note_activity(session, None)
+        if not self._malformed_plans:
+            return
+        act = {
+            "meta": {"source": item.source, "line": item.line or 0, "problem": item.message},
+            "lists": self._lists,
+        }
+        identity = record_identity(item)
+        service = item.extra.get("service")
+        for plan in self._malformed_plans:
+            violation = Violation(
+                rule=plan.id,
+                name=plan.name,
+                severity=plan.severity,
+                session_id=item.session_id,
+                action_id=item.action_id,
+                message=plan.rule.message.render(act),
+                violation_id=make_violation_id(plan.id, item.session_id, item.action_id, identity),
+                time_ns=None,
+                line=item.line,
+                origin=item.origin,
+                trace_id=item.trace_id,
+                span_id=item.span_id,
+                service=service if isinstance(service, str) else "",
+                kind="",
+                tags=plan.tags,
+            )
+            self._emit(violation, session, out)
+
+    # -- ordering ---------------------------------------------------------------------
+
+    def _advance(self, out: list[Violation]) -> None:
+        """The watermark moved: release what it passed, fire timers behind it (replay), expire idle sessions."""
+        state = self._state
+        wm = state.watermark_ns
+        buffer = state.buffer
+        while buffer and buffer[0].key[0] <= wm:
+            self._release_one(out)
+        if not self._serve:
+            # A deadline fires once the watermark is past it: a resolution at the deadline still counts.
+            self._fire_due(wm - 1, out)
+            self._expire(wm)
+
+    def _advance_wall(self, out: list[Violation]) -> None:
+        """Serve: what the clock releases and fires."""
+        state = self._state
+        now = self._now_ns
+        received = state.received
+        horizon = now - self._lateness_ns
+        while received and received[0][0] <= horizon:
+            _, t = received.popleft()
+            self._wall_release_ns = max(self._wall_release_ns, t)
+        state.watermark_ns = max(state.watermark_ns, self._wall_release_ns)
+        buffer = state.buffer
+        wm = state.watermark_ns
+        while buffer and buffer[0].key[0] <= wm:
+            self._release_one(out)
+        self._fire_due(now, out)
+        self._expire(now)
+
+    def _release_one(self, out: list[Violation]) -> int:
+        item = heapq.heappop(self._state.buffer)
+        action = item.action
+        found = self._sessions.get(action.session_id)
+        if found is None:
+            # Its session was evicted while the span waited: it starts again.
+            session = self._session(action.session_id)
+            self._note_activity(session, action.time_ns)
+        else:
+            session = found
+            if session.buffered > 0:
+                session.buffered -= 1
+            self._sessions.move_to_end(session.session_id)
+            self._dirty.add(session.session_id)
+        self._received_ns = item.received_ns
+        self._evaluate(action, session, out)
+        self._received_ns = None
+        return item.key[0]
+
+    # -- sessions -----------------------------------------------------------------------
+
+    def _session(self, session_id: str) -> SessionState:
+        sessions = self._sessions
+        session = sessions.get(session_id)
+        if session is None:
+            if len(sessions) >= self.options.max_sessions:
+                self._evict_one()
+            session = sessions[session_id] = SessionState(session_id)
+            self._deleted.discard(session_id)
+        else:
+            sessions.move_to_end(session_id)
+        self._dirty.add(session_id)
+        return session
+
+    def _evict_one(self) -> None:
+        _, victim = next(iter(self._sessions.items()))
+        self._state.counters["sessions_evicted"] += 1
+        self._tm_evicted += 1
+        self._evictions_unlogged += 1
+        self._end_session(victim, "evicted")
+        now = time.monotonic()
+        if now - self._last_eviction_log >= _EVICTION_LOG_INTERVAL_S:
+            log.warning(
+                "open-session bound (max_sessions=%d) reached: evicted %d least recently active session(s)"
+                " and their state",
+                self.options.max_sessions,
+                self._evictions_unlogged,
+            )
+            self._last_eviction_log = now
+            self._evictions_unlogged = 0
+
+    def _schedule_expiry(self, due_ns: int, session_id: str) -> None:
+        bucket = due_ns // self._expiry_width
+        members = self._expiry_buckets.get(bucket)
+        if members is None:
+            self._expiry_buckets[bucket] = [session_id]
+            heapq.heappush(self._expiry_keys, bucket)
+        else:
+            members.append(session_id)
+
+    def _expire(self, clock_ns: int) -> None:
+        keys = self._expiry_keys
+        width = self._expiry_width
+        sessions = self._sessions
+        # A bucket is checked once every due time in it has passed.
+        while keys and (keys[0] + 1) * width - 1 <= clock_ns:
+            for session_id in self._expiry_buckets.pop(heapq.heappop(keys)):
+                session = sessions.get(session_id)
+                if session is None or session.activity_ns is None:
+                    continue
+                due = session.activity_ns + self._idle_ns
+                pending = [w.fire_at for _, _, w in session.waits(self._absence_indices) if w.fire_at is not None]
+                if pending:
+                    due = max(due, max(pending) + 1)
+                if session.buffered:
+                    due = max(due, clock_ns + 1)
+                if due > clock_ns:
+                    self._schedule_expiry(due, session_id)
+                    continue
+                self._state.counters["sessions_expired"] += 1
+                self._end_session(session, "expired")
+
+    def _end_session(self, session: SessionState, end: SessionEnd) -> None:
+        waits = session.waits(self._absence_indices)
+        for index, key, wait in waits:
+            self._forget_wait(session, self._stateful_plans[index], key, wait)
+        if self.options.max_ended_sessions > 0 and not self._serve:
+            self._ended.append(self._session_summary(session, end, waits))
+            if len(self._ended) > self.options.max_ended_sessions:
+                self._ended.popleft()
+                self._ended_dropped += 1
+        else:
+            self._ended_dropped += 1
+        del self._sessions[session.session_id]
+        self._dirty.discard(session.session_id)
+        self._deleted.add(session.session_id)
+
+    # -- evaluation -------------------------------------------------------------------
+
+    def _evaluate(self, action: Action, session: SessionState, out: list[Violation]) -> None:
+        t = action.time_ns
+        if t is not None and session.next_deadline_ns is not None and session.next_deadline_ns < t:
+            self._fire_session_deadlines(session, t, out)
+        state = self._state
+        state.counters["actions_evaluated"] += 1
+        record = action.record
+        kind = record.get("kind")
+        kind = sys.intern(kind) if isinstance(kind, str) else ""
+        counts = session.count_kind(kind)
+        # Many sessions hold the same small counts: share one tuple, as for kept fields.
+        shared = self._kinds_cache.get(counts)
+        if shared is not None:
+            session.kinds = shared
+        elif len(self._kinds_cache) < _KEPT_CACHE_MAX:
+            self._kinds_cache[counts] = counts
+        if self._telemetry is not None:
+            label = (
+                kind if kind in _KNOWN_KINDS else "other",
+                _label_status(record.get("status")),
+                self._service_label(record.get("service")),
+            )
+            self._tm_actions[label] = self._tm_actions.get(label, 0) + 1
+
+        meta = self._meta
+        meta["source"] = action.source
+        meta["synthetic_action_id"] = action.synthetic_action_id
+        meta["line"] = action.line or 0
+        meta["time_ns"] = t or 0
+        act = self._act
+        act["record"] = record
+        act["first"] = _EMPTY
+
+        for plan in self._condition_plans:
+            try:
+                hit = plan.condition_fn(act) is True  # type: ignore[misc]  # condition plans have one
+            except EvaluationError:
+                self._rule_error(plan, "condition")
+                continue
+            if hit:
+                self._emit(self._violation(plan, action, act, session), session, out)
+
+        for plan, handler in self._stateful_runs:
+            condition = plan.condition_fn
+            if condition is not None:
+                try:
+                    if condition(act) is not True:
+                        continue
+                except EvaluationError:
+                    self._rule_error(plan, "condition")
+                    continue
+            single = plan.group_fn
+            try:
+                if single is not None:
+                    value = single(act)
+                    key = value if type(value) is str else group_key((value,))
+                elif plan.group_by:
+                    key = group_key([e.evaluate(act) for e in plan.group_by])
+                else:
+                    key = ""
+            except EvaluationError:
+                self._rule_error(plan, "group_by")
+                continue
+            handler(plan, action, session, key, out)
+        act["record"] = _EMPTY
+        act["first"] = _EMPTY
+
+    def _rule_error(self, plan: _Plan, where: str) -> None:
+        errors = self._state.rule_errors
+        errors[plan.id] = errors.get(plan.id, 0) + 1
+        if plan.id not in self._logged_errors:
+            self._logged_errors.add(plan.id)
+            log.warning(
+                "rule %s: its %s failed on a record; the rule does not fire on such records (counted as rule errors)",
+                plan.id,
+                where,
+            )
+
+    def _predicate(self, plan: _Plan, expression: Any, act: Mapping[str, Any], where: str) -> bool:
+        try:
+            return expression.evaluate(act) is True
+        except EvaluationError:
+            self._rule_error(plan, where)
+            return False
+
+    def _kept(self, plan: _Plan, record: Mapping[str, Any]) -> tuple[Any, ...]:
+        kept = tuple(map(record.get, plan.first_names, repeat(MISSING)))
+        cache = self._kept_cache
+        try:
+            shared = cache.get(kept)
+        except TypeError:  # a list or map value: not shareable
+            return kept
+        if shared is not None:
+            return shared
+        if len(cache) < _KEPT_CACHE_MAX:
+            cache[kept] = kept
+        return kept
+
+    @staticmethod
+    def _first_view(plan: _Plan, kept: tuple[Any, ...]) -> dict[str, Any]:
+        return {n: v for n, v in zip(plan.first_names, kept, strict=True) if v is not MISSING}
+
+    def _put(self, plan: _Plan, session: SessionState, key: GroupKey, state: Any) -> None:
+        dropped = session.put_group(plan.index, key, state, self._width, self.options.max_groups_per_rule)
+        if dropped is not None:
+            self._state.counters["groups_dropped"] += 1
+            if isinstance(dropped[1], Wait):
+                self._unschedule(session, plan, dropped[0], dropped[1])
+
+    def _sequence(
+        self, plan: _Plan, action: Action, session: SessionState, key: GroupKey, out: list[Violation]
+    ) -> None:
+        act = self._act
+        found = session.get_group(plan.index, key)
+        t = action.time_ns
+        if plan.compact:
+            # Compact state: the kept fields alone (no window, no provenance to report on).
+            if found is MISSING:
+                if self._predicate(plan, plan.first, act, "first"):
+                    self._put(plan, session, key, self._kept(plan, action.record))
+                return
+            act["first"] = self._first_view(plan, found)
+            if self._predicate(plan, plan.then, act, "then"):
+                self._emit(self._violation(plan, action, act, session), session, out)
+            act["first"] = _EMPTY
+            if plan.keep_latest and self._predicate(plan, plan.first, act, "first"):
+                self._put(plan, session, key, self._kept(plan, action.record))
+            return
+        opened: SequenceState | None = None if found is MISSING else found
+        if opened is not None:
+            within = plan.within_ns
+            timed = opened.time_ns is not None and t is not None
+            if within is not None and timed and t - opened.time_ns > within:  # type: ignore[operator]
+                # The window passed: the opener no longer counts, and a new one may open.
+                session.drop_group(plan.index, key)
+                opened = None
+            elif (within is None or timed) and not (plan.report_first and opened.reported):
+                act["first"] = self._first_view(plan, opened.first)
+                if self._predicate(plan, plan.then, act, "then"):
+                    if plan.report_first:
+                        opened.reported = True
+                        assert opened.prov is not None
+                        self._emit(self._violation_at(plan, opened.prov, session, act), session, out)
+                    else:
+                        self._emit(self._violation(plan, action, act, session), session, out)
+                act["first"] = _EMPTY
+        if (opened is None or plan.keep_latest) and self._predicate(plan, plan.first, act, "first"):
+            prov = self._provenance(action, session) if plan.needs_prov else None
+            self._put(plan, session, key, SequenceState(self._kept(plan, action.record), t, prov))
+
+    def _absence(
+        self, plan: _Plan, action: Action, session: SessionState, key: GroupKey, out: list[Violation]
+    ) -> None:
+        act = self._act
+        found = session.get_group(plan.index, key)
+        wait: Wait | None = None if found is MISSING else found
+        if wait is not None:
+            act["first"] = self._first_view(plan, wait.first)
+            resolved = self._predicate(plan, plan.then, act, "then")
+            act["first"] = _EMPTY
+            if resolved:
+                self._forget_wait(session, plan, key, wait)
+                wait = None
+            else:
+                wait.actions += 1
+                if plan.within_actions is not None and wait.actions >= plan.within_actions:
+                    self._fire_wait(
+                        plan, session, key, wait, out, time_ns=action.time_ns, details={"within_actions": wait.actions}
+                    )
+                    wait = None
+        if (wait is None or plan.keep_latest) and self._predicate(plan, plan.first, act, "first"):
+            if wait is not None:
+                self._forget_wait(session, plan, key, wait)
+            self._open_wait(plan, action, act, session, key)
+
+    def _open_wait(
+        self, plan: _Plan, action: Action, act: Mapping[str, Any], session: SessionState, key: GroupKey
+    ) -> None:
+        started = action.time_ns
+        deadline_ns: int | None = None
+        if started is not None:
+            spans: list[int] = []
+            if plan.within_ns is not None:
+                spans.append(plan.within_ns)
+            if plan.deadline is not None:
+                try:
+                    seconds = plan.deadline.evaluate(act)
+                except EvaluationError:
+                    self._rule_error(plan, "deadline")
+                    seconds = None
+                if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and not math.isnan(seconds):
+                    spans.append(max(0, round(min(float(seconds), 1e11) * _NS)))
+            if spans:
+                deadline_ns = started + min(spans)
+        workflow_state = _str_field(action.record, "workflow_state")
+        wait = Wait(
+            self._kept(plan, action.record),
+            self._provenance(action, session),
+            started,
+            deadline_ns,
+            received_ns=self._now_ns if self._received_ns is None else self._received_ns,
+            state=workflow_state,
+        )
+        self._put(plan, session, key, wait)
+        self._wait_states[workflow_state] = self._wait_states.get(workflow_state, 0) + 1
+        self._open_waits[wait] = None
+        if deadline_ns is not None:
+            if self._serve:
+                wait.fire_at = max(deadline_ns, wait.received_ns) + self._lateness_ns
+            else:
+                wait.fire_at = deadline_ns
+            self._store.put_timer(TimerEntry(wait.fire_at, session.session_id, plan.id, key))
+            if session.next_deadline_ns is None or deadline_ns < session.next_deadline_ns:
+                session.next_deadline_ns = deadline_ns
+
+    def _forget_wait(self, session: SessionState, plan: _Plan, key: GroupKey, wait: Wait) -> None:
+        if session.get_group(plan.index, key) is wait:
+            session.drop_group(plan.index, key)
+        self._unschedule(session, plan, key, wait)
+
+    def _unschedule(self, session: SessionState, plan: _Plan, key: GroupKey, wait: Wait) -> None:
+        """A wait is gone from the session: clear its timer and its count."""
+        if wait.fire_at is not None:
+            self._store.remove_timer(session.session_id, plan.id, key)
+            wait.fire_at = None
+        self._open_waits.pop(wait, None)
+        count = self._wait_states.get(wait.state, 0) - 1
+        if count > 0:
+            self._wait_states[wait.state] = count
+        else:
+            self._wait_states.pop(wait.state, None)
+
+    def _fire_wait(
+        self,
+        plan: _Plan,
+        session: SessionState,
+        key: GroupKey,
+        wait: Wait,
+        out: list[Violation],
+        *,
+        time_ns: int | None,
+        details: dict[str, Any],
+    ) -> None:
+        self._forget_wait(session, plan, key, wait)
+        first = self._first_view(plan, wait.first)
+        prov = wait.prov
+        meta = {
+            "source": "log" if isinstance(prov[1], int) else "span",
+            "synthetic_action_id": False,
+            "line": prov[2] or 0,
+            "time_ns": prov[8] or 0,
+        }
+        # The waiting record itself is gone; messages of absence rules read its kept fields.
+        act = {"record": first, "meta": meta, "lists": self._lists, "first": first}
+        self._emit(self._violation_at(plan, prov, session, act, time_ns=time_ns, details=details), session, out)
+
+    def _fire_session_deadlines(self, session: SessionState, before_ns: int, out: list[Violation]) -> None:
+        """Fire the session's waits whose deadline is before ``before_ns``, earliest first."""
+        due: list[tuple[int, int, GroupKey, Wait]] = []
+        remaining: int | None = None
+        for index, key, wait in session.waits(self._absence_indices):
+            deadline = wait.deadline_ns
+            if deadline is None:
+                continue
+            if deadline < before_ns:
+                due.append((deadline, index, key, wait))
+            elif remaining is None or deadline < remaining:
+                remaining = deadline
+        session.next_deadline_ns = remaining
+        due.sort(key=lambda entry: (entry[0], entry[1]))
+        for deadline, index, key, wait in due:
+            plan = self._stateful_plans[index]
+            self._fire_wait(
+                plan, session, key, wait, out, time_ns=deadline, details={"deadline_unix_nano": deadline}
+            )
+
+    def _fire_due(self, until_ns: int, out: list[Violation]) -> None:
+        store = self._store
+        next_due = store.next_due()
+        if next_due is None or next_due > until_ns:
+            return
+        for entry in store.pop_due(until_ns):
+            session = self._sessions.get(entry.session_id)
+            plan = self._plan_by_id.get(entry.rule_id)
+            if session is None or plan is None:
+                continue
+            wait = session.get_group(plan.index, entry.group)
+            if not isinstance(wait, Wait) or wait.fire_at != entry.due_ns or wait.deadline_ns is None:
+                continue
+            wait.fire_at = None  # popped from the store already
+            self._dirty.add(session.session_id)
+            deadline = wait.deadline_ns
+            self._fire_wait(
+                plan, session, entry.group, wait, out, time_ns=deadline, details={"deadline_unix_nano": deadline}
+            )
+
+    def _change(self, plan: _Plan, action: Action, session: SessionState, key: GroupKey, out: list[Violation]) -> None:
+        act = self._act
+        try:
+            value = plan.field.evaluate(act)  # type: ignore[union-attr]  # change rules have a field
+        except EvaluationError:
+            self._rule_error(plan, "field")
+            return
+        first_value = session.get_group(plan.index, key)
+        if first_value is MISSING:
+            # A list literal comes back as a new list each time; a tuple holds the same for less.
+            self._put(plan, session, key, tuple(value) if type(value) is list else value)
+        elif not _same_value(first_value, value):
+            self._emit(self._violation(plan, action, act, session), session, out)
+
+    def _count(self, plan: _Plan, action: Action, session: SessionState, key: GroupKey, out: list[Violation]) -> None:
+        act = self._act
+        window = plan.window_ns
+        t = action.time_ns
+        if window is not None and t is None:
+            return  # an untimed record cannot be placed in a window
+        found = session.get_group(plan.index, key)
+        if found is MISSING:
+            counted = CountState([] if window is not None else None)
+            self._put(plan, session, key, counted)
+        else:
+            counted = found
+        if window is not None and counted.times is not None and t is not None:
+            times = counted.times
+            insort(times, t)
+            floor = t - window
+            while times and times[0] < floor:
+                times.pop(0)
+            # threshold + 1 times are enough to tell a crossing.
+            excess = len(times) - plan.threshold - 1
+            if excess > 0:
+                del times[:excess]
+            number = bisect_right(times, t)
+        else:
+            counted.count += 1
+            number = counted.count
+        if number > plan.threshold:
+            if not counted.above:
+                counted.above = True
+                self._emit(self._violation(plan, action, act, session), session, out)
+        else:
+            counted.above = False
+
+    # -- violations ---------------------------------------------------------------------
+
+    def _provenance(self, action: Action, session: SessionState) -> Provenance:
+        record = action.record
+        key = action.delivery_key
+        return (
+            action.action_id,
+            key if key is not None else (action.line if action.line is not None else action.seq),
+            action.line,
+            action.origin,
+            _str_field(record, "trace_id") or (key[0] if key else ""),
+            _str_field(record, "span_id") or (key[1] if key else ""),
+            _str_field(record, "service"),
+            _str_field(record, "kind"),
+            action.time_ns,
+        )
+
+    def _violation(self, plan: _Plan, action: Action, act: Mapping[str, Any], session: SessionState) -> Violation:
+        return self._violation_at(plan, self._provenance(action, session), session, act)
+
+    def _violation_at(
+        self,
+        plan: _Plan,
+        prov: Provenance,
+        session: SessionState,
+        act: Mapping[str, Any],
+        *,
+        time_ns: int | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> Violation:
+        action_id, _, line, origin, trace_id, span_id, service, kind, record_time = prov
+        session_id = session.session_id
+        return Violation(
+            rule=plan.id,
+            name=plan.name,
+            severity=plan.severity,
+            session_id=session_id,
+            action_id=action_id,
+            message=plan.rule.message.render(act),
+            violation_id=make_violation_id(plan.id, session_id, action_id, prov_identity(prov)),
+            time_ns=time_ns if time_ns is not None else record_time,
+            line=line,
+            origin=origin,
+            trace_id=trace_id,
+            span_id=span_id,
+            service=service,
+            kind=kind,
+            tags=plan.tags,
+            details=details if details is not None else {},
+        )
+
+    def _emit(self, violation: Violation, session: SessionState | None, out: list[Violation]) -> None:
+        out.append(violation)
+        by_rule = self._state.violations_by_rule
+        by_rule[violation.rule] = by_rule.get(violation.rule, 0) + 1
+        if session is not None:
+            counts = session.violations
+            if counts is None:
+                counts = session.violations = {}
+            counts[violation.rule] = counts.get(violation.rule, 0) + 1
+            self._dirty.add(session.session_id)
+        if self._telemetry is not None:
+            label = (violation.rule, violation.severity, self._service_label(violation.service))
+            self._tm_violations[label] = self._tm_violations.get(label, 0) + 1
+
+    # -- batches, telemetry ---------------------------------------------------------------
+
+    def _service_label(self, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            return "unknown"
+        if value in self._services:
+            return value
+        if len(self._services) >= _MAX_SERVICE_LABELS:
+            return "other"
+        self._services.add(value)
+        return value
+
+    def _end_batch(self) -> None:
+        store = self._store
+        sessions = self._sessions
+        for session_id in self._deleted:
+            store.delete_session(session_id)
+        self._deleted.clear()
+        for session_id in self._dirty:
+            session = sessions.get(session_id)
+            if session is not None:
+                store.save_session(session, self.schema)
+        self._dirty.clear()
+        store.save_engine(self._state)
+        store.commit()
+        if self._telemetry is not None:
+            self._flush_telemetry(self._telemetry)
+
+    def _flush_telemetry(self, tm: Telemetry) -> None:
+        for (kind, status, service), n in self._tm_actions.items():
+            tm.actions.labels(kind=kind, status=status, service=service).inc(n)
+        self._tm_actions.clear()
+        for (rule, severity, service), n in self._tm_violations.items():
+            tm.violations.labels(rule=rule, severity=severity, service=service).inc(n)
+        self._tm_violations.clear()
+        if self._tm_duplicates:
+            tm.spans_duplicate.inc(self._tm_duplicates)
+            self._tm_duplicates = 0
+        if self._tm_late:
+            tm.spans_late.inc(self._tm_late)
+            self._tm_late = 0
+        if self._tm_evicted:
+            tm.sessions_evicted.inc(self._tm_evicted)
+            self._tm_evicted = 0
+        tm.open_sessions.set(len(self._sessions))
+        by_state = dict.fromkeys(_WAIT_STATE_LABELS, 0)
+        for state_name, n in self._wait_states.items():
+            label = state_name if state_name in by_state else "other"
+            by_state[label] += n
+        for label, n in by_state.items():
+            tm.open_waits.labels(state=label).set(n)
+        tm.oldest_open_wait_age.set(self._oldest_wait_age_s())
+
+    def _oldest_wait_age_s(self) -> float:
+        """Age of the first open wait: on the clock since it arrived (serve), in event time since it began (replay)."""
+        oldest = next(iter(self._open_waits), None)
+        if oldest is None:
+            return 0.0
+        if self._serve:
+            return max(0.0, (self._now_ns - oldest.received_ns) / _NS)
+        if oldest.started_ns is None:
+            return 0.0
+        return max(0.0, (self._state.max_event_ns - oldest.started_ns) / _NS)
+
+    # -- summary --------------------------------------------------------------------------
+
+    def _session_summary(
+        self, session: SessionState, end: SessionEnd, waits: list[tuple[int, GroupKey, Wait]] | None = None
+    ) -> SessionSummary:
+        if waits is None:
+            waits = session.waits(self._absence_indices)
+        open_waits = [
+            OpenWait(
+                rule=self._stateful_plans[index].id,
+                session_id=session.session_id,
+                action_id=wait.prov[0],
+                deadline_ns=wait.deadline_ns,
+                started_ns=wait.started_ns,
+                state=wait.state,
+            )
+            for index, _, wait in waits
+        ]
+        open_waits.sort(key=lambda w: (w.deadline_ns is None, w.deadline_ns or 0, w.rule, w.action_id))
+        return SessionSummary(
+            session_id=session.session_id,
+            actions_by_kind=session.kinds_dict(),
+            violations_by_rule=dict(session.violations or {}),
+            open_waits=open_waits,
+            end=end,
+        )
+
+    def summary(self) -> EngineSummary:
+        """Per session (open ones, then ended ones still remembered) and totals."""
+        state = self._state
+        counters = state.counters
+        sessions = [self._session_summary(s, "open") for s in self._sessions.values()]
+        sessions.sort(key=lambda s: s.session_id)
+        sessions.extend(self._ended)
+        open_waits = [w for s in sessions if s.end == "open" for w in s.open_waits]
+        return EngineSummary(
+            sessions=sessions,
+            actions_seen=counters["actions_seen"],
+            actions_evaluated=counters["actions_evaluated"],
+            duplicates=counters["duplicates"],
+            late=counters["late"],
+            malformed=counters["malformed"],
+            violations_by_rule=dict(state.violations_by_rule),
+            rule_errors=dict(state.rule_errors),
+            open_waits=open_waits,
+            sessions_expired=counters["sessions_expired"],
+            sessions_evicted=counters["sessions_evicted"],
+            groups_dropped=counters["groups_dropped"],
+            ended_sessions_dropped=self._ended_dropped,
+            watermark_ns=self.watermark_ns,
+        )
+
+
+def _label_status(value: Any) -> str:
+    return value if value in ("ok", "error") else "other"

@@ -1,0 +1,511 @@
+"""What the engine remembers about one session, as live objects that convert to plain data.
+
+The engine mutates these objects in place on its hot path; a store that persists them
+calls :meth:`SessionState.to_plain` (a dict of str/int/float/bool/None/list/dict that
+``orjson`` serializes) and rebuilds them with :meth:`SessionState.from_plain`.
+
+Per stateful rule a session holds one *group state* per group key (the values of the
+rule's ``group_by`` expressions; ``""`` when it has none):
+
+- ``sequence``: :class:`SequenceState`, or for a rule that needs neither the opener's
+  time nor its provenance just the tuple of its kept fields (see ``RuleSchema.compact``);
+- ``absence``: :class:`Wait`, an unresolved wait and its deadline;
+- ``change``: the first value seen, as it is (plain form ``{"value": ...}``);
+- ``count``: :class:`CountState`, recent matching times.
+
+Memory per idle session is what bounds how many sessions fit, so the layout is compact:
+``rules`` is a list indexed by rule (None where a rule never touched the session), a
+rule with few groups holds a flat (key, state, key, state, ...) tuple instead of a dict,
+and the delivery-key digests of a small session are packed into one ``bytes``.
+
+Kept fields of the opening record (``first``) are a tuple aligned with the rule's
+``first_fields`` in sorted order, :data:`MISSING` standing for an absent field; the
+plain form is a dict of the present fields, so a rule file that changes
+``first_fields`` between runs still restores what it can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal, cast
+
+import orjson
+
+StateKind = Literal["sequence", "absence", "change", "count"]
+
+# A group key: a scalar, or a tuple of scalars for several group_by expressions.
+GroupKey = Hashable
+
+
+class _Missing:
+    """An absent field, distinct from a field present with value null."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+    def __reduce__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Final = _Missing()
+
+# Up to this many groups of one rule are a flat tuple in a session (a dict beyond).
+SMALL_GROUPS: Final = 8
+# Up to this many delivery-key digests are packed in one bytes object (8 bytes each).
+SEEN_PACKED_MAX: Final = 64
+
+# Provenance of a record a violation may later be reported on (sequence ``report_on:
+# first`` and absence): what a Violation needs when the record itself is long gone.
+# (action_id, identity source, line, origin, trace_id, span_id, service, kind, time_ns); the
+# identity source is the delivery key of a span or the line (else seq) of a log record, from
+# which :func:`prov_identity` rebuilds ``record_identity`` without keeping the string.
+Provenance = tuple[str, tuple[str, str, int] | int, int | None, str, str, str, str, str, int | None]
+
+
+def prov_identity(prov: Provenance) -> str:
+    """``processor.violations.record_identity`` of the record the provenance was taken from."""
+    source = prov[1]
+    if isinstance(source, int):
+        return f"line:{prov[3]}:{source}"
+    trace_id, span_id, index = source
+    return f"span:{trace_id}:{span_id}:{index}"
+
+
+def group_key(values: Sequence[Any]) -> GroupKey:
+    """The hashable, plain key of a group from the evaluated ``group_by`` values.
+
+    A list or map value (unhashable) becomes its canonical JSON text, prefixed so it
+    cannot collide with a string value.
+    """
+    if len(values) == 1:
+        return _scalar_key(values[0])
+    return tuple(_scalar_key(v) for v in values)
+
+
+def _scalar_key(value: Any) -> Hashable:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return "\x00json:" + orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=str).decode()
+
+
+def group_key_to_plain(key: GroupKey) -> Any:
+    return list(key) if isinstance(key, tuple) else key
+
+
+def group_key_from_plain(value: Any) -> GroupKey:
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSchema:
+    """How the engine's stateful rules are laid out in a session's state.
+
+    ``rule_ids[i]``, ``kinds[i]`` and ``first_names[i]`` describe the stateful rule at
+    index ``i`` (the engine's order). Plain data names rules by id, so state written
+    under one rule set is read back under another: rules that no longer exist are
+    dropped, new ones start empty.
+    """
+
+    rule_ids: tuple[str, ...]
+    kinds: tuple[StateKind, ...]
+    first_names: tuple[tuple[str, ...], ...]
+    # Sequence rules that need neither the opener's time nor its provenance keep just the
+    # kept-fields tuple as a group's state (no SequenceState object).
+    compact: tuple[bool, ...] = ()
+
+    @property
+    def width(self) -> int:
+        return len(self.rule_ids)
+
+    def is_compact(self, index: int) -> bool:
+        return index < len(self.compact) and self.compact[index]
+
+    def index_of(self, rule_id: str) -> int | None:
+        try:
+            return self.rule_ids.index(rule_id)
+        except ValueError:
+            return None
+
+
+def first_to_plain(names: tuple[str, ...], values: tuple[Any, ...]) -> dict[str, Any]:
+    return {n: v for n, v in zip(names, values, strict=True) if v is not MISSING}
+
+
+def first_from_plain(names: tuple[str, ...], plain: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(plain.get(n, MISSING) for n in names)
+
+
+def _prov_to_plain(prov: Provenance | None) -> list[Any] | None:
+    return None if prov is None else list(prov)
+
+
+def _prov_from_plain(value: Any) -> Provenance | None:
+    if value is None:
+        return None
+    action_id, source, line, origin, trace_id, span_id, service, kind, time_ns = value
+    if not isinstance(source, int):
+        source = (str(source[0]), str(source[1]), int(source[2]))
+    return (action_id, source, line, origin, trace_id, span_id, service, kind, time_ns)
+
+
+class SequenceState:
+    """An opened sequence: the opening record's kept fields and time."""
+
+    __slots__ = ("first", "prov", "reported", "time_ns")
+
+    def __init__(
+        self, first: tuple[Any, ...], time_ns: int | None, prov: Provenance | None, reported: bool = False
+    ) -> None:
+        self.first = first
+        self.time_ns = time_ns
+        self.prov = prov
+        # report_on first: the opener was already reported; it is reported once.
+        self.reported = reported
+
+    def to_plain(self, names: tuple[str, ...]) -> dict[str, Any]:
+        return {
+            "first": first_to_plain(names, self.first),
+            "time_ns": self.time_ns,
+            "prov": _prov_to_plain(self.prov),
+            "reported": self.reported,
+        }
+
+    @classmethod
+    def from_plain(cls, names: tuple[str, ...], plain: Mapping[str, Any]) -> SequenceState:
+        return cls(
+            first_from_plain(names, plain["first"]),
+            plain["time_ns"],
+            _prov_from_plain(plain["prov"]),
+            bool(plain["reported"]),
+        )
+
+
+class Wait:
+    """An unresolved absence wait.
+
+    ``deadline_ns`` is event time (None: no time deadline, only ``within_actions``);
+    ``fire_at`` is the key of its timer in the store (the deadline in replay, a wall
+    time in serve; None when no timer is set); ``received_ns`` is the wall time the
+    opening record arrived (serve: a wait younger than the allowed lateness never fires).
+    """
+
+    __slots__ = ("actions", "deadline_ns", "fire_at", "first", "prov", "received_ns", "started_ns", "state")
+
+    def __init__(
+        self,
+        first: tuple[Any, ...],
+        prov: Provenance,
+        started_ns: int | None,
+        deadline_ns: int | None,
+        *,
+        received_ns: int,
+        state: str,
+        actions: int = 0,
+        fire_at: int | None = None,
+    ) -> None:
+        self.first = first
+        self.prov = prov
+        self.started_ns = started_ns
+        self.deadline_ns = deadline_ns
+        self.received_ns = received_ns
+        # workflow_state of the opening record ("" when it has none): the open_waits gauge label.
+        self.state = state
+        # Later records of the group that did not resolve the wait.
+        self.actions = actions
+        self.fire_at = fire_at
+
+    def to_plain(self, names: tuple[str, ...]) -> dict[str, Any]:
+        return {
+            "first": first_to_plain(names, self.first),
+            "prov": _prov_to_plain(self.prov),
+            "started_ns": self.started_ns,
+            "deadline_ns": self.deadline_ns,
+            "received_ns": self.received_ns,
+            "state": self.state,
+            "actions": self.actions,
+            "fire_at": self.fire_at,
+        }
+
+    @classmethod
+    def from_plain(cls, names: tuple[str, ...], plain: Mapping[str, Any]) -> Wait:
+        prov = _prov_from_plain(plain["prov"])
+        if prov is None:
+            raise ValueError("a wait without provenance")
+        return cls(
+            first_from_plain(names, plain["first"]),
+            prov,
+            plain["started_ns"],
+            plain["deadline_ns"],
+            received_ns=int(plain["received_ns"]),
+            state=str(plain["state"]),
+            actions=int(plain["actions"]),
+            fire_at=plain["fire_at"],
+        )
+
+
+class CountState:
+    """Matching records of a group: their times (windowed) or their number, and whether the threshold is crossed."""
+
+    __slots__ = ("above", "count", "times")
+
+    def __init__(self, times: list[int] | None = None, count: int = 0, above: bool = False) -> None:
+        # Windowed counts keep at most threshold + 1 times, sorted: enough to tell a crossing.
+        self.times = times
+        self.count = count
+        self.above = above
+
+    def to_plain(self, names: tuple[str, ...]) -> dict[str, Any]:
+        return {"times": self.times, "count": self.count, "above": self.above}
+
+    @classmethod
+    def from_plain(cls, names: tuple[str, ...], plain: Mapping[str, Any]) -> CountState:
+        times = plain["times"]
+        return cls(None if times is None else [int(t) for t in times], int(plain["count"]), bool(plain["above"]))
+
+
+_STATE_CLASSES: Final[dict[StateKind, Any]] = {
+    "sequence": SequenceState,
+    "absence": Wait,
+    "count": CountState,
+}
+
+
+class SessionState:
+    """One open session.
+
+    ``rules`` maps a stateful rule's index (see :class:`RuleSchema`) to its groups;
+    rules that never touched the session have no entry, and a session no stateful rule
+    touched has ``rules`` None (most of the memory of an idle session is its groups).
+    ``seen`` is the bounded, insertion-ordered set of delivery-key digests (duplicate
+    delivery). ``activity_ns`` is what idle expiry measures: the latest event time in
+    replay, the latest arrival wall time in serve (None: no timed record yet).
+    """
+
+    __slots__ = (
+        "activity_ns",
+        "buffered",
+        "kinds",
+        "next_deadline_ns",
+        "rules",
+        "seen",
+        "session_id",
+        "violations",
+    )
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        # Actions by kind, flattened (kind, count, kind, count, ...): a tuple is half a small dict.
+        self.kinds: tuple[str | int, ...] = ()
+        self.violations: dict[str, int] | None = None
+        self.rules: list[Any] | None = None
+        # Delivery-key digests, oldest first: 8 bytes each packed in a bytes while few,
+        # an insertion-ordered dict beyond SEEN_PACKED_MAX.
+        self.seen: bytes | dict[int, None] | None = None
+        self.activity_ns: int | None = None
+        # Records of this session in the engine's reordering buffer (bounded per session).
+        self.buffered = 0
+        # A lower bound of the earliest wait deadline (None: no timed wait); refreshed lazily.
+        self.next_deadline_ns: int | None = None
+
+    # Groups of one rule live in its slot of ``rules``: None (no group), a flat tuple
+    # (key, state, key, state, ...) while there are at most SMALL_GROUPS of them, else a
+    # dict from key to state. Either way the oldest group comes first.
+
+    def get_group(self, index: int, key: GroupKey) -> Any:
+        """The state of a group, or MISSING when the group has none."""
+        rules = self.rules
+        if rules is None:
+            return MISSING
+        slot = rules[index]
+        if slot is None:
+            return MISSING
+        if type(slot) is tuple:
+            for at in range(0, len(slot), 2):
+                if slot[at] == key:
+                    return slot[at + 1]
+            return MISSING
+        return slot.get(key, MISSING)
+
+    def put_group(self, index: int, key: GroupKey, state: Any, width: int, limit: int) -> tuple[GroupKey, Any] | None:
+        """Set a group's state (it becomes the newest); returns the oldest group, dropped when ``limit`` is reached."""
+        rules = self.rules
+        if rules is None:
+            rules = self.rules = [None] * width
+        slot = rules[index]
+        if slot is None:
+            rules[index] = (key, state)
+            return None
+        dropped: tuple[GroupKey, Any] | None = None
+        if type(slot) is tuple:
+            for at in range(0, len(slot), 2):
+                if slot[at] == key:
+                    rules[index] = (*slot[:at], *slot[at + 2 :], key, state)
+                    return None
+            if len(slot) // 2 >= limit:
+                dropped = (slot[0], slot[1])
+                slot = slot[2:]
+            if len(slot) // 2 < SMALL_GROUPS:
+                rules[index] = (*slot, key, state)
+            else:
+                groups = dict(zip(slot[::2], slot[1::2], strict=True))
+                groups[key] = state
+                rules[index] = groups
+            return dropped
+        if key in slot:
+            del slot[key]
+        elif len(slot) >= limit:
+            oldest = next(iter(slot))
+            dropped = (oldest, slot.pop(oldest))
+        slot[key] = state
+        return dropped
+
+    def drop_group(self, index: int, key: GroupKey) -> None:
+        rules = self.rules
+        if rules is None:
+            return
+        slot = rules[index]
+        if slot is None:
+            return
+        if type(slot) is tuple:
+            for at in range(0, len(slot), 2):
+                if slot[at] == key:
+                    rules[index] = (*slot[:at], *slot[at + 2 :]) or None
+                    return
+            return
+        slot.pop(key, None)
+        if len(slot) <= SMALL_GROUPS // 2:
+            rules[index] = tuple(x for pair in slot.items() for x in pair) or None
+
+    def iter_groups(self, index: int) -> list[tuple[GroupKey, Any]]:
+        rules = self.rules
+        slot = rules[index] if rules is not None else None
+        if slot is None:
+            return []
+        if type(slot) is tuple:
+            return list(zip(slot[::2], slot[1::2], strict=True))
+        return list(slot.items())
+
+    def count_kind(self, kind: str) -> tuple[str | int, ...]:
+        """Count one action of ``kind``; returns the new counts (the caller may share equal tuples)."""
+        kinds = self.kinds
+        for at in range(0, len(kinds), 2):
+            if kinds[at] == kind:
+                self.kinds = (*kinds[: at + 1], cast(int, kinds[at + 1]) + 1, *kinds[at + 2 :])
+                return self.kinds
+        self.kinds = (*kinds, kind, 1)
+        return self.kinds
+
+    def kinds_dict(self) -> dict[str, int]:
+        kinds = self.kinds
+        return {cast(str, kinds[at]): cast(int, kinds[at + 1]) for at in range(0, len(kinds), 2)}
+
+    def check_seen(self, digest: int, limit: int) -> bool:
+        """True when ``digest`` was seen before; otherwise remember it (at most ``limit``, oldest forgotten)."""
+        seen = self.seen
+        if seen is None:
+            self.seen = digest.to_bytes(8, "big")
+            return False
+        if isinstance(seen, bytes):
+            packed = digest.to_bytes(8, "big")
+            at = seen.find(packed)
+            while at != -1:
+                if at % 8 == 0:
+                    return True
+                at = seen.find(packed, at + 1)
+            if len(seen) < SEEN_PACKED_MAX * 8:
+                self.seen = seen + packed
+                return False
+            seen = self.seen = dict.fromkeys(self.seen_digests())
+        if digest in seen:
+            return True
+        seen[digest] = None
+        if len(seen) > limit:
+            del seen[next(iter(seen))]
+        return False
+
+    def seen_digests(self) -> list[int]:
+        seen = self.seen
+        if seen is None:
+            return []
+        if isinstance(seen, bytes):
+            return [int.from_bytes(seen[i : i + 8], "big") for i in range(0, len(seen), 8)]
+        return list(seen)
+
+    def waits(self, indices: Iterable[int] | None = None) -> list[tuple[int, GroupKey, Wait]]:
+        """Every open wait of the session: (rule index, group key, wait); ``indices``: the absence rules, if known."""
+        out: list[tuple[int, GroupKey, Wait]] = []
+        rules = self.rules
+        if rules:
+            for index in range(len(rules)) if indices is None else indices:
+                if rules[index] is None:
+                    continue
+                for key, state in self.iter_groups(index):
+                    if isinstance(state, Wait):
+                        out.append((index, key, state))
+        return out
+
+    def to_plain(self, schema: RuleSchema) -> dict[str, Any]:
+        rules: dict[str, list[list[Any]]] = {}
+        for index in range(len(self.rules or ())):
+            groups = self.iter_groups(index)
+            if not groups:
+                continue
+            names = schema.first_names[index]
+            kind = schema.kinds[index]
+            rules[schema.rule_ids[index]] = [
+                [group_key_to_plain(key), _group_to_plain(kind, names, state)] for key, state in groups
+            ]
+        return {
+            "session_id": self.session_id,
+            "kinds": self.kinds_dict(),
+            "violations": self.violations,
+            "rules": rules,
+            "seen": self.seen_digests(),
+            "activity_ns": self.activity_ns,
+        }
+
+    @classmethod
+    def from_plain(cls, schema: RuleSchema, plain: Mapping[str, Any]) -> SessionState:
+        state = cls(str(plain["session_id"]))
+        state.kinds = tuple(x for k, v in plain["kinds"].items() for x in (str(k), int(v)))
+        violations = plain.get("violations")
+        state.violations = None if not violations else {str(k): int(v) for k, v in violations.items()}
+        for rule_id, groups in plain.get("rules", {}).items():
+            index = schema.index_of(rule_id)
+            if index is None:
+                continue
+            kind = schema.kinds[index]
+            names = schema.first_names[index]
+            compact = schema.is_compact(index)
+            for key, group_plain in groups:
+                group = _group_from_plain(kind, names, compact, group_plain)
+                state.put_group(index, group_key_from_plain(key), group, schema.width, len(groups) + 1)
+        digests = plain.get("seen") or []
+        if len(digests) <= SEEN_PACKED_MAX:
+            state.seen = b"".join(int(d).to_bytes(8, "big") for d in digests) or None
+        else:
+            state.seen = dict.fromkeys(int(d) for d in digests)
+        state.activity_ns = plain.get("activity_ns")
+        deadlines = [w.deadline_ns for _, _, w in state.waits() if w.deadline_ns is not None]
+        state.next_deadline_ns = min(deadlines) if deadlines else None
+        return state
+
+
+def _group_to_plain(kind: StateKind, names: tuple[str, ...], state: Any) -> dict[str, Any]:
+    if kind == "change":
+        return {"value": state}
+    if isinstance(state, tuple):
+        return {"first": first_to_plain(names, state), "time_ns": None, "prov": None, "reported": False}
+    plain: dict[str, Any] = state.to_plain(names)
+    return plain
+
+
+def _group_from_plain(kind: StateKind, names: tuple[str, ...], compact: bool, plain: Mapping[str, Any]) -> Any:
+    if kind == "change":
+        return plain["value"]
+    if kind == "sequence" and compact:
+        return first_from_plain(names, plain["first"])
+    return _STATE_CLASSES[kind].from_plain(names, plain)

@@ -1,0 +1,158 @@
+{{/*
+The chart name, or nameOverride.
+*/}}
+{{- define "durable-check.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+A fully qualified name: the release name, with the chart name unless the release name
+already contains it. Truncated at 63 characters (DNS label limit).
+*/}}
+{{- define "durable-check.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The headless Service: the loadbalancing exporter's resolver target. The suffix is kept
+inside the 63-character limit.
+*/}}
+{{- define "durable-check.headlessName" -}}
+{{- printf "%s-headless" (include "durable-check.fullname" . | trunc 54 | trimSuffix "-") }}
+{{- end }}
+
+{{/*
+Chart name and version, for the helm.sh/chart label.
+*/}}
+{{- define "durable-check.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The release namespace, or namespaceOverride.
+*/}}
+{{- define "durable-check.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride }}
+{{- end }}
+
+{{/*
+Labels on every object.
+*/}}
+{{- define "durable-check.labels" -}}
+helm.sh/chart: {{ include "durable-check.chart" . }}
+{{ include "durable-check.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: durable-check
+{{- with .Values.additionalLabels }}
+{{ tpl (toYaml .) $ }}
+{{- end }}
+{{- end }}
+
+{{/*
+Selector labels: pods, Services, the PodDisruptionBudget.
+*/}}
+{{- define "durable-check.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "durable-check.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+The ServiceAccount the pods run as.
+*/}}
+{{- define "durable-check.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "durable-check.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The image reference: by digest when one is given, else by tag (default: appVersion).
+*/}}
+{{- define "durable-check.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the container keeps its files; the same paths as the image (Dockerfile).
+*/}}
+{{- define "durable-check.dataDir" -}}/var/lib/durable-check{{- end }}
+{{- define "durable-check.configDir" -}}/etc/durable-check{{- end }}
+{{- define "durable-check.tlsDir" -}}/etc/durable-check/tls{{- end }}
+
+{{/*
+ConfigMap key of a user rule file (prefixed so no rule file can collide with config.yaml).
+*/}}
+{{- define "durable-check.ruleKey" -}}
+{{- printf "rules.%s" . }}
+{{- end }}
+
+{{/*
+A probe from values, adapted to TLS: HTTPS when the receivers use TLS; a TCP check when
+they require client certificates, which the kubelet cannot present.
+*/}}
+{{- define "durable-check.probe" -}}
+{{- $probe := deepCopy .probe }}
+{{- if and $probe.httpGet .root.Values.tls.enabled }}
+{{- if .root.Values.tls.clientAuth }}
+{{- $_ := set $probe "tcpSocket" (dict "port" $probe.httpGet.port) }}
+{{- $_ := unset $probe "httpGet" }}
+{{- else }}
+{{- $_ := set $probe.httpGet "scheme" "HTTPS" }}
+{{- end }}
+{{- end }}
+{{- toYaml $probe }}
+{{- end }}
+
+{{/*
+Rendering stops here with a message naming the value when values contradict each other
+in a way the schema cannot express.
+*/}}
+{{- define "durable-check.validate" -}}
+{{- $receivers := ((.Values.config.receivers).otlp) | default dict }}
+{{- range $protocol := list "grpc" "http" }}
+{{- with (get $receivers $protocol) }}
+{{- if hasKey . "endpoint" }}
+{{- fail (printf "config.receivers.otlp.%s.endpoint: set by the chart from ports (ports.%s.containerPort); remove it from config" $protocol (ternary "otlp" "otlp-http" (eq $protocol "grpc"))) }}
+{{- end }}
+{{- if hasKey . "tls" }}
+{{- fail (printf "config.receivers.otlp.%s.tls: set by the chart; use tls.enabled and tls.existingSecret" $protocol) }}
+{{- end }}
+{{- if hasKey . "auth" }}
+{{- fail (printf "config.receivers.otlp.%s.auth: set by the chart; use auth.enabled and auth.existingSecret" $protocol) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if hasKey .Values.config "state" }}
+{{- fail "config.state: set by the chart from mode (statefulset: SQLite on the volume; deployment: PostgreSQL from postgres.existingSecret)" }}
+{{- end }}
+{{- if and .Values.ports.metrics.enabled (hasKey (((.Values.config.exporters).prometheus) | default dict) "endpoint") }}
+{{- fail "config.exporters.prometheus.endpoint: set by the chart from ports.metrics.containerPort; remove it from config" }}
+{{- end }}
+{{- if and .Values.serviceMonitor.enabled (not .Values.ports.metrics.enabled) }}
+{{- fail "serviceMonitor.enabled needs ports.metrics.enabled: the ServiceMonitor scrapes that port" }}
+{{- end }}
+{{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) }}
+{{- fail (printf "autoscaling.minReplicas (%d) is more than autoscaling.maxReplicas (%d)" (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) }}
+{{- end }}
+{{- if and .Values.podDisruptionBudget.enabled (hasKey .Values.podDisruptionBudget "minAvailable") (hasKey .Values.podDisruptionBudget "maxUnavailable") }}
+{{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both" }}
+{{- end }}
+{{- end }}

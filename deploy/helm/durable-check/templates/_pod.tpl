@@ -1,0 +1,158 @@
+{{/*
+The pod template shared by the StatefulSet and the Deployment.
+*/}}
+{{- define "durable-check.podTemplate" -}}
+metadata:
+  annotations:
+    # A change of configuration or rules rolls the pods.
+    checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
+    {{- with .Values.podAnnotations }}
+    {{- tpl (toYaml .) $ | nindent 4 }}
+    {{- end }}
+  labels:
+    {{- include "durable-check.selectorLabels" . | nindent 4 }}
+    {{- with .Values.podLabels }}
+    {{- tpl (toYaml .) $ | nindent 4 }}
+    {{- end }}
+spec:
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  serviceAccountName: {{ include "durable-check.serviceAccountName" . }}
+  automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
+  securityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  {{- with .Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+  containers:
+    - name: durable-check
+      image: {{ include "durable-check.image" . | quote }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      # The image's entrypoint is `durable-check serve`.
+      args:
+        - --config={{ include "durable-check.configDir" . }}/config.yaml
+      securityContext:
+        {{- toYaml .Values.securityContext | nindent 8 }}
+      ports:
+        - name: otlp
+          containerPort: {{ .Values.ports.otlp.containerPort }}
+          protocol: TCP
+        - name: otlp-http
+          containerPort: {{ index .Values.ports "otlp-http" "containerPort" }}
+          protocol: TCP
+        {{- if .Values.ports.metrics.enabled }}
+        - name: metrics
+          containerPort: {{ .Values.ports.metrics.containerPort }}
+          protocol: TCP
+        {{- end }}
+      {{- if or (eq .Values.mode "deployment") .Values.auth.enabled .Values.extraEnv }}
+      # Secrets reach the configuration as ${env:VAR}, never through the ConfigMap.
+      env:
+        {{- if eq .Values.mode "deployment" }}
+        - name: DURABLE_CHECK_POSTGRES_DSN
+          valueFrom:
+            secretKeyRef:
+              name: {{ .Values.postgres.existingSecret }}
+              key: {{ .Values.postgres.key }}
+        {{- end }}
+        {{- if .Values.auth.enabled }}
+        - name: DURABLE_CHECK_BEARER_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ .Values.auth.existingSecret }}
+              key: {{ .Values.auth.key }}
+        {{- end }}
+        {{- with .Values.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- end }}
+      {{- with .Values.extraEnvFrom }}
+      envFrom:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with .Values.livenessProbe }}
+      livenessProbe:
+        {{- include "durable-check.probe" (dict "probe" . "root" $) | nindent 8 }}
+      {{- end }}
+      {{- with .Values.readinessProbe }}
+      readinessProbe:
+        {{- include "durable-check.probe" (dict "probe" . "root" $) | nindent 8 }}
+      {{- end }}
+      {{- with .Values.startupProbe }}
+      startupProbe:
+        {{- include "durable-check.probe" (dict "probe" . "root" $) | nindent 8 }}
+      {{- end }}
+      {{- with .Values.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: config
+          mountPath: {{ include "durable-check.configDir" . }}
+          readOnly: true
+        - name: data
+          mountPath: {{ include "durable-check.dataDir" . }}
+        # The root filesystem is read-only; Python and SQLite may still need a scratch directory.
+        - name: tmp
+          mountPath: /tmp
+        {{- with .Values.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    # One projected volume: the configuration, the rule files and the TLS files side by side
+    # (a Secret mounted inside a ConfigMap's read-only mount could not get its mount point).
+    - name: config
+      projected:
+        sources:
+          - configMap:
+              name: {{ include "durable-check.fullname" . }}
+              items:
+                - key: config.yaml
+                  path: config.yaml
+                {{- range $file := keys .Values.rules | sortAlpha }}
+                - key: {{ include "durable-check.ruleKey" $file }}
+                  path: rules/{{ $file }}
+                {{- end }}
+          {{- if .Values.tls.enabled }}
+          - secret:
+              name: {{ .Values.tls.existingSecret }}
+              items:
+                - key: tls.crt
+                  path: tls/tls.crt
+                - key: tls.key
+                  path: tls/tls.key
+                {{- if .Values.tls.clientAuth }}
+                - key: ca.crt
+                  path: tls/ca.crt
+                {{- end }}
+          {{- end }}
+    {{- if ne .Values.mode "statefulset" }}
+    # mode=deployment keeps its state in PostgreSQL; this volume only holds JSONL output.
+    - name: data
+      emptyDir: {}
+    {{- end }}
+    - name: tmp
+      emptyDir: {}
+    {{- with .Values.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with .Values.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.topologySpreadConstraints }}
+  topologySpreadConstraints:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

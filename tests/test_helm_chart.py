@@ -1,0 +1,681 @@
+"""The Helm chart: lint, render, validate, and run the configuration it ships.
+
+Rendering uses the real Helm engine (helm-python binds Helm's Go SDK); manifests of
+built-in kinds are validated against the Kubernetes 1.31 OpenAPI schemas; the
+Prometheus Operator objects are checked for the structure the operator reads, and
+their alert rules with promtool. The processor configuration taken out of the
+rendered ConfigMap is then run by ``durable-check serve``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import re
+import shutil
+import ssl
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import helm_python as helm
+import httpx
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from processor.config import Config
+from tests._deploy_support import (
+    REPO,
+    ServeProcess,
+    base_env,
+    check_config,
+    give_to_unprivileged,
+    rewrite_for_localhost,
+    unprivileged_workdir,
+    write_yaml,
+)
+from tests.pg_support import fresh_database, pg_server
+from tests.servers import alertmanager_server, prometheus_server, wait_until
+
+CHART = REPO / "deploy/helm/durable-check"
+CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
+BAD_VALUES = sorted((REPO / "tests/testdata/helm/bad-values").glob("*.yaml"))
+# Contradictions the schema cannot express: the templates stop with a message naming the value.
+BAD_VALUES_TEMPLATE = sorted((REPO / "tests/testdata/helm/bad-values-template").glob("*.yaml"))
+KUBE_VERSION = "1.31.0"
+__all__ = ["pg_server"]  # the fixture, used by name
+RELEASE = "example"
+NAMESPACE = "default"
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
+
+
+def load_values(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+
+
+def render(values: dict[str, Any], *, name: str = RELEASE, namespace: str = NAMESPACE) -> dict[str, str]:
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(values, name=name, namespace=namespace)
+
+
+def manifests(values: dict[str, Any], **kwargs: str) -> list[dict[str, Any]]:
+    """Every rendered object (NOTES.txt aside)."""
+    objects: list[dict[str, Any]] = []
+    for path, text in render(values, **kwargs).items():
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def workload(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] in {"StatefulSet", "Deployment"}]
+    return found
+
+
+def config_volume_sources(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The projected sources of the volume mounted at /etc/durable-check."""
+    pod = workload(objects)["spec"]["template"]["spec"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/etc/durable-check"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    sources: list[dict[str, Any]] = volume["projected"]["sources"]
+    return sources
+
+
+def processor_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    config = yaml.safe_load(one(objects, "ConfigMap")["data"]["config.yaml"])
+    assert isinstance(config, dict)
+    return config
+
+
+# Every optional branch of the templates at once (beyond the ci/ files).
+ALL_OPTIONS: dict[str, Any] = {
+    "mode": "deployment", "replicaCount": 3, "postgres": {"existingSecret": "pg", "key": "url"},
+    "image": {"repository": "registry.example.com/durable-check",
+              "digest": "sha256:" + "ab" * 32},
+    "imagePullSecrets": [{"name": "registry"}],
+    "tls": {"enabled": True, "existingSecret": "tls", "clientAuth": False},
+    "auth": {"enabled": True, "existingSecret": "token", "key": "token"},
+    "service": {"type": "LoadBalancer", "annotations": {"a": "b"}, "loadBalancerSourceRanges": ["10.0.0.0/8"]},
+    "headlessService": {"enabled": True, "annotations": {"c": "d"}},
+    "extraEnv": [{"name": "WEBHOOK_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hook", "key": "token"}}}],
+    "extraEnvFrom": [{"configMapRef": {"name": "more"}}],
+    "extraVolumes": [{"name": "spare", "emptyDir": {}}],
+    "extraVolumeMounts": [{"name": "spare", "mountPath": "/spare"}],
+    "config": {"exporters": {"webhook": {"url": "http://hooks.example.com/x",
+                                         "headers": {"authorization": "Bearer ${env:WEBHOOK_TOKEN}"}}}},
+    "annotations": {"e": "f"}, "podAnnotations": {"g": "h"}, "podLabels": {"team": "agents"},
+    "additionalLabels": {"cost-center": "ai"},
+    "nodeSelector": {"kubernetes.io/os": "linux"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "agents", "effect": "NoSchedule"}],
+    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100,
+        "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "durable-check"}}},
+    }]}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                   "whenUnsatisfiable": "ScheduleAnyway",
+                                   "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "durable-check"}}}],
+    "priorityClassName": "high",
+    "podDisruptionBudget": {"enabled": True, "maxUnavailable": "50%"},
+    "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9, "targetCPUUtilizationPercentage": 70,
+                    "targetMemoryUtilizationPercentage": 80,
+                    "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}},
+    "serviceMonitor": {"enabled": True, "interval": "10s", "scrapeTimeout": "5s",
+                       "relabelings": [{"targetLabel": "cluster", "replacement": "prod"}],
+                       "metricRelabelings": [{"sourceLabels": ["__name__"], "regex": "go_.*", "action": "drop"}]},
+    "prometheusRule": {"enabled": True},
+    "serviceAccount": {"create": True, "name": "dc", "annotations": {"i": "j"}},
+    "collectorResolverAccess": {"enabled": True, "serviceAccount": {"name": "collector", "namespace": "otel"}},
+}
+STATEFUL_OPTIONS: dict[str, Any] = {
+    "replicaCount": 2,
+    "persistence": {"size": "20Gi", "storageClassName": "fast", "accessModes": ["ReadWriteOncePod"],
+                    "annotations": {"k": "l"}},
+    "statefulset": {"podManagementPolicy": "OrderedReady",
+                    "persistentVolumeClaimRetentionPolicy": {"enabled": True, "whenDeleted": "Delete",
+                                                             "whenScaled": "Retain"}},
+    "serviceAccount": {"create": False, "name": "existing"},
+    "ports": {"otlp": {"containerPort": 14317, "servicePort": 4317, "appProtocol": "grpc"},
+              "otlp-http": {"containerPort": 14318, "servicePort": 4318, "appProtocol": "http"},
+              "metrics": {"enabled": False, "containerPort": 9464, "servicePort": 9464}},
+    "livenessProbe": {}, "startupProbe": {},
+}
+
+VALUE_SETS = [
+    pytest.param({}, id="chart-defaults"),
+    pytest.param(ALL_OPTIONS, id="all-options"),
+    pytest.param(STATEFUL_OPTIONS, id="statefulset-options"),
+] + [
+    pytest.param(load_values(path), id=path.stem) for path in CI_FILES
+]
+
+
+def test_chart_deploys_this_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text(encoding="utf-8"))
+    from processor._version import __version__
+    assert chart["appVersion"] == __version__, "the image tag defaults to appVersion"
+    image = workload(manifests({}))["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == f"durable-check:{__version__}"
+
+
+def test_ci_values_cover_every_mode_and_option() -> None:
+    names = {path.stem for path in CI_FILES}
+    assert {"default-values", "postgres-values", "monitoring-values", "tls-values"} <= names
+
+
+def test_chart_lints() -> None:
+    value_sets: list[dict[str, Any]] = [{}, ALL_OPTIONS, STATEFUL_OPTIONS, *(load_values(path) for path in CI_FILES)]
+    for values in value_sets:
+        report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}")
+        assert report["errors"] == [], report
+        serious = [m for m in report["messages"] if m["severity"] >= 2]
+        assert serious == [], serious
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_rendered_manifests_validate(values: dict[str, Any]) -> None:
+    objects = manifests(values)
+    assert objects
+    for obj in objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    for pod in (o["spec"]["template"]["spec"] for o in objects if o["kind"] in {"StatefulSet", "Deployment"}):
+        mounts = [m["mountPath"].rstrip("/") for c in pod["containers"] for m in c["volumeMounts"]]
+        for outer in mounts:
+            nested = [m for m in mounts if m.startswith(outer + "/")]
+            # The kubelet cannot create a mount point inside a read-only ConfigMap/Secret mount.
+            assert not nested, f"{nested} inside {outer}"
+    for obj in by_kind(objects, "ServiceMonitor"):
+        check_service_monitor(obj, objects)
+    for obj in by_kind(objects, "PrometheusRule"):
+        check_prometheus_rule(obj)
+
+
+def check_service_monitor(monitor: dict[str, Any], objects: list[dict[str, Any]]) -> None:
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+    spec = monitor["spec"]
+    assert set(spec) <= {"selector", "namespaceSelector", "endpoints", "jobLabel", "sampleLimit"}
+    selected = [
+        s for s in by_kind(objects, "Service")
+        if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    # Exactly the client Service: the headless one would have every pod scraped twice.
+    assert [s["spec"].get("clusterIP") for s in selected] == [None]
+    port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
+    for endpoint in spec["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings"}
+        assert endpoint["port"] in port_names
+        assert endpoint["path"] == "/metrics"
+
+
+def check_prometheus_rule(rule: dict[str, Any]) -> None:
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule) == {"apiVersion", "kind", "metadata", "spec"}
+    assert set(rule["spec"]) == {"groups"}
+    for group in rule["spec"]["groups"]:
+        assert set(group) <= {"name", "interval", "rules", "limit", "partial_response_strategy"}
+        assert group["name"] and group["rules"]
+        for item in group["rules"]:
+            assert ("alert" in item) != ("record" in item)
+            assert set(item) <= {"alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"}
+            assert isinstance(item["expr"], str)
+
+
+def test_prometheus_rule_holds_the_shipped_alerts_and_passes_promtool(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    extra = {"name": "team", "rules": [{"alert": "TeamRule", "expr": "vector(1) > 0", "for": "1m"}]}
+    values = load_values(CHART / "ci/monitoring-values.yaml")
+    values["prometheusRule"]["groups"] = [extra]
+    groups = one(manifests(values), "PrometheusRule")["spec"]["groups"]
+    shipped = yaml.safe_load((REPO / "config/prometheus-alerts.yaml").read_text(encoding="utf-8"))["groups"]
+    assert groups == [*shipped, extra], "the shipped groups unchanged (alert templates included), then the user's"
+    rules_file = write_yaml(tmp_path / "rules.yaml", {"groups": groups})
+    result = subprocess.run([promtool, "check", "rules", str(rules_file)], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_packaged_chart_carries_its_files_and_leaves_out_the_repository_ones(tmp_path: Path) -> None:
+    with helm.Chart.load(str(CHART)) as chart:
+        archive = Path(chart.save(str(tmp_path)))
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert "durable-check/files/prometheus-alerts.yaml" in names
+    assert "durable-check/values.schema.json" in names
+    assert not any("/examples/" in n or "/ci/" in n for n in names)
+    with helm.Chart.load(str(archive)) as packaged:
+        rendered = packaged.render(load_values(CHART / "ci/monitoring-values.yaml"), name=RELEASE, namespace=NAMESPACE)
+    assert any(path.endswith("prometheusrule.yaml") and text.strip() for path, text in rendered.items())
+
+
+def test_chart_copy_of_alert_rules_is_identical() -> None:
+    source = REPO / "config/prometheus-alerts.yaml"
+    copy = CHART / "files/prometheus-alerts.yaml"
+    assert copy.read_bytes() == source.read_bytes(), "run: python deploy/helm/render-examples.py"
+
+
+def expected_messages(path: Path) -> list[str]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    expected = [line.partition("# expect:")[2].strip() for line in lines if line.startswith("# expect:")]
+    assert expected, f"{path.name}: no '# expect:' line"
+    return expected
+
+
+@pytest.mark.parametrize("bad_file", BAD_VALUES, ids=[p.stem for p in BAD_VALUES])
+def test_schema_rejects_bad_values_with_their_message(bad_file: Path) -> None:
+    values = load_values(bad_file)
+    with pytest.raises(helm.HelmValuesError) as caught:
+        render(values)
+    for message in expected_messages(bad_file):
+        assert message in str(caught.value), f"{bad_file.name}: {caught.value}"
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(values)
+
+
+@pytest.mark.parametrize("bad_file", BAD_VALUES_TEMPLATE, ids=[p.stem for p in BAD_VALUES_TEMPLATE])
+def test_templates_reject_contradictory_values_with_their_message(bad_file: Path) -> None:
+    values = load_values(bad_file)
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values)  # well-formed values ...
+    with pytest.raises(helm.HelmRenderError) as caught:  # ... that contradict the chart
+        render(values)
+    for message in expected_messages(bad_file):
+        assert message in str(caught.value), f"{bad_file.name}: {caught.value}"
+
+
+def test_schema_knows_every_section_of_the_serve_configuration() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+    sections = set(schema["properties"]["config"]["properties"])
+    assert sections == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_bad_values_cover_the_schema() -> None:
+    assert len(BAD_VALUES) >= 15 and len(BAD_VALUES_TEMPLATE) >= 5
+
+
+def _render_examples_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("render_examples", REPO / "deploy/helm/render-examples.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_examples_are_up_to_date() -> None:
+    module = _render_examples_module()
+    assert module.differences() == [], "run: python deploy/helm/render-examples.py"
+    assert {p.name for p in (CHART / "examples").iterdir()} == {p.stem for p in CI_FILES}
+
+
+@pytest.mark.parametrize(("values_file", "config_file"), [
+    ("default-values.yaml", "embedded-state.yaml"),
+    ("postgres-values.yaml", "postgres.yaml"),
+])
+def test_reference_configs_are_what_the_chart_runs(values_file: str, config_file: str) -> None:
+    rendered = processor_config(manifests(load_values(CHART / "ci" / values_file)))
+    reference = yaml.safe_load((REPO / "config" / config_file).read_text(encoding="utf-8"))
+    assert rendered == reference
+
+
+def test_modes_own_their_state() -> None:
+    stateful = manifests({})
+    sts = one(stateful, "StatefulSet")
+    assert sts["spec"]["serviceName"] == one([s for s in by_kind(stateful, "Service")
+                                               if s["spec"].get("clusterIP") == "None"], "Service")["metadata"]["name"]
+    assert [c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]] == ["data"]
+    assert not by_kind(stateful, "HorizontalPodAutoscaler")
+
+    shared = manifests(load_values(CHART / "ci/postgres-values.yaml"))
+    deployment = one(shared, "Deployment")
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    assert one(shared, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["DURABLE_CHECK_POSTGRES_DSN"]["valueFrom"]["secretKeyRef"] == {"name": "durable-check-postgres",
+                                                                               "key": "dsn"}
+    assert one(shared, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+
+
+def test_pod_is_locked_down_and_writes_only_to_its_volumes() -> None:
+    pod = workload(manifests({}))["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001, "the image's USER"
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert security["seccompProfile"]["type"] == "RuntimeDefault"
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    # The Dockerfile's VOLUMEs: the only places the process writes.
+    assert writable == {"/var/lib/durable-check", "/tmp"}
+    assert container["args"] == ["--config=/etc/durable-check/config.yaml"]
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_probes_follow_tls() -> None:
+    plain = workload(manifests({}))["spec"]["template"]["spec"]["containers"][0]
+    assert plain["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "otlp-http"}
+    assert plain["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "otlp-http"}
+    tls = {"tls": {"enabled": True, "existingSecret": "tls", "clientAuth": False}}
+    https = workload(manifests(tls))["spec"]["template"]["spec"]["containers"][0]
+    assert https["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    mtls = workload(manifests(load_values(CHART / "ci/tls-values.yaml")))["spec"]["template"]["spec"]["containers"][0]
+    assert mtls["readinessProbe"] == {**{k: v for k, v in plain["readinessProbe"].items() if k != "httpGet"},
+                                      "tcpSocket": {"port": "otlp-http"}}
+
+
+def test_config_change_rolls_the_pods() -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        annotations = workload(manifests(values))["spec"]["template"]["metadata"]["annotations"]
+        return str(annotations["checksum/config"])
+
+    base = checksum({})
+    assert checksum({"replicaCount": 1, "podAnnotations": {"team": "agents"}}) == base
+    assert checksum({"config": {"evaluate": {"strict": True}}}) != base
+    assert checksum({"rules": {"mine.yaml": "version: 1\nrules: []\n"}}) != base
+
+
+def test_user_config_is_merged_and_rules_are_mounted() -> None:
+    values = load_values(CHART / "ci/monitoring-values.yaml")
+    objects = manifests(values)
+    config = processor_config(objects)
+    assert config["evaluate"]["allowed_lateness"] == "10s"
+    assert config["evaluate"]["rules"] == ["/etc/durable-check/rules/payments.yaml"]
+    assert config["exporters"]["alertmanager"]["url"] == values["config"]["exporters"]["alertmanager"]["url"]
+    assert config["exporters"]["prometheus"]["endpoint"] == "0.0.0.0:9464"
+    configmap = one(objects, "ConfigMap")
+    assert configmap["data"]["rules.payments.yaml"] == values["rules"]["payments.yaml"]
+    (configmap_source,) = [source["configMap"] for source in config_volume_sources(objects) if "configMap" in source]
+    assert {"key": "rules.payments.yaml", "path": "rules/payments.yaml"} in configmap_source["items"]
+
+
+def test_collector_config_routes_sessions_to_the_headless_service() -> None:
+    """config/otel-collector.yaml names what the chart creates for release durable-check."""
+    collector = yaml.safe_load((REPO / "config/otel-collector.yaml").read_text(encoding="utf-8"))
+    objects = manifests({}, name="durable-check", namespace="durable-check")
+    (headless,) = [s for s in by_kind(objects, "Service") if s["spec"].get("clusterIP") == "None"]
+    grpc_port = next(p["port"] for p in headless["spec"]["ports"] if p["name"] == "otlp")
+
+    exporter = collector["exporters"]["loadbalancing/durable-check"]
+    assert exporter["routing_key"] == "attributes"
+    assert exporter["routing_attributes"][0] == "durable.session.id"
+    assert "endpoint" not in exporter["protocol"]["otlp"], "the resolver supplies the endpoints"
+    k8s = exporter["resolver"]["k8s"]
+    assert k8s["service"] == f"{headless['metadata']['name']}.{headless['metadata']['namespace']}"
+    assert k8s["ports"] == [grpc_port]
+
+    pipelines = collector["service"]["pipelines"]
+    for name, pipeline in pipelines.items():
+        for kind in ("receivers", "processors", "exporters"):
+            for component in pipeline.get(kind, []):
+                assert component in collector[kind], f"pipeline {name}: {component} is not defined"
+    assert pipelines["traces/durable-check"]["exporters"] == ["loadbalancing/durable-check"]
+    assert any("otlp/" in e for e in pipelines["traces"]["exporters"]), "the tracing backend keeps every trace"
+
+
+def test_notes_tell_where_to_point_agents() -> None:
+    notes = next(text for path, text in render({}, name="acme", namespace="agents").items()
+                 if path.endswith("NOTES.txt"))
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://acme-durable-check.agents:4318" in notes
+    assert "acme-durable-check-headless.agents.svc.cluster.local" in notes
+    assert "routing_key: attributes" in notes
+
+
+def test_deploy_doc_names_every_shipped_alert() -> None:
+    doc = (REPO / "docs/deploy.md").read_text(encoding="utf-8")
+    shipped = yaml.safe_load((REPO / "config/prometheus-alerts.yaml").read_text(encoding="utf-8"))
+    for group in shipped["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                assert f"`{rule['alert']}`" in doc, f"docs/deploy.md does not mention {rule['alert']}"
+
+
+def test_readme_lists_every_value_with_its_default() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    rows = {}
+    for line in (CHART / "README.md").read_text(encoding="utf-8").splitlines():
+        match = re.match(r"^\| `([^`]+)` \| (.+?) \| .+ \|$", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    whole = {"resources", "podSecurityContext", "securityContext", "livenessProbe", "readinessProbe", "startupProbe"}
+
+    def leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict) and value and key not in whole:
+                yield from leaves(value, path + ".")
+            else:
+                yield path, value
+
+    for path, default in leaves(values):
+        assert path in rows, f"README.md has no row for {path}"
+        if path not in whole:
+            assert rows[path] == f"`{json.dumps(default, separators=(',', ':'))}`", path
+
+
+# --- the shipped configuration runs ---------------------------------------------------------
+
+def violation_counts(exposition: str) -> dict[tuple[str, str, str], float]:
+    return {
+        (sample.labels["rule"], sample.labels["severity"], sample.labels["service"]): sample.value
+        for family in text_string_to_metric_families(exposition)
+        if family.name == "durable_check_violations"
+        for sample in family.samples
+        if sample.name == "durable_check_violations_total"
+    }
+
+
+def doc_example_request(now_ns: int) -> bytes:
+    """The OTLP/JSON request docs/deploy.md sends to make the first violation."""
+    doc = (REPO / "docs/deploy.md").read_text(encoding="utf-8")
+    match = re.search(r"-d '(\{.*?\})'\n", doc, re.DOTALL)
+    assert match, "docs/deploy.md has no curl -d '{...}' example"
+    body = match.group(1).replace('\'"$now"\'', str(now_ns))
+    json.loads(body)
+    return body.encode()
+
+
+def _self_signed(tmp: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (openssl)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    tmp.mkdir(parents=True, exist_ok=True)
+    files = {name: tmp / name for name in ("ca.crt", "ca.key", "tls.crt", "tls.key", "client.crt", "client.key")}
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+        "-keyout", str(files["ca.key"]), "-out", str(files["ca.crt"]))
+    for name, extension in (("tls", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        csr = tmp / f"{name}.csr"
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(files[f"{name}.key"]),
+            "-out", str(csr))
+        ext = tmp / f"{name}.ext"
+        ext.write_text(extension + "\n", encoding="utf-8")
+        run("x509", "-req", "-in", str(csr), "-CA", str(files["ca.crt"]), "-CAkey", str(files["ca.key"]),
+            "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(files[f"{name}.crt"]))
+    return files
+
+
+RUN_VALUES_FILES = ["default-values.yaml", "monitoring-values.yaml", "tls-values.yaml"]
+
+
+@pytest.fixture(scope="module")
+def chart_runs() -> dict[str, BaseException | None]:
+    """Each ci/ configuration run once, all at the same time: most of a run is waiting for
+    evaluate.allowed_lateness, so running them side by side keeps this file short."""
+    try:
+        import processor.serve  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"processor.serve is not importable yet: {exc}")
+
+    def run(values_file: str) -> BaseException | None:
+        try:
+            with unprivileged_workdir() as workdir:
+                run_chart_configuration(load_values(CHART / "ci" / values_file), workdir)
+        except BaseException as exc:  # handed to the test of this values file
+            return exc
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(RUN_VALUES_FILES)) as pool:
+        return dict(zip(RUN_VALUES_FILES, pool.map(run, RUN_VALUES_FILES), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("values_file", [
+    # Prometheus and Alertmanager are started for the monitoring values.
+    pytest.param(name, marks=[pytest.mark.servers] if name.startswith("monitoring") else [])
+    for name in RUN_VALUES_FILES
+])
+def test_chart_configuration_runs(values_file: str, chart_runs: dict[str, BaseException | None]) -> None:
+    """The ConfigMap's config and rules, addresses and paths made local: --check passes, serve gets
+    ready, the documented first violation is counted, alerted on (monitoring) and written."""
+    failure = chart_runs[values_file]
+    if failure is not None:
+        raise failure
+
+
+@pytest.mark.slow
+@pytest.mark.servers
+def test_chart_postgres_configuration_runs(pg_server: str) -> None:
+    """mode=deployment: the same, with the DSN from the Secret as the pod gets it (an env var) and a real PostgreSQL."""
+    try:
+        import processor.serve  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"processor.serve is not importable yet: {exc}")
+    with unprivileged_workdir() as workdir:
+        run_chart_configuration(load_values(CHART / "ci/postgres-values.yaml"), workdir,
+                                {"DURABLE_CHECK_POSTGRES_DSN": fresh_database(pg_server)})
+
+
+def run_chart_configuration(values: dict[str, Any], workdir: Path, secret_env: dict[str, str] | None = None) -> None:
+    objects = manifests(values)
+    configmap = one(objects, "ConfigMap")
+    etc = workdir / "etc-durable-check"
+    data = workdir / "var-lib-durable-check"
+    scratch = workdir / "tmp"
+    for directory in (etc / "rules", etc / "tls", data, scratch):
+        directory.mkdir(parents=True)
+    # The config volume laid out as the pod gets it: the ConfigMap's items at their paths
+    # (the Secret's TLS items follow below, once there are certificates).
+    sources = config_volume_sources(objects)
+    for source in sources:
+        for item in source.get("configMap", {}).get("items", []):
+            (etc / item["path"]).write_text(configmap["data"][item["key"]], encoding="utf-8")
+    config_text = (etc / "config.yaml").read_text(encoding="utf-8")
+    config, ports = rewrite_for_localhost(yaml.safe_load(config_text), {
+        "/etc/durable-check": etc, "/var/lib/durable-check": data,
+    })
+
+    env_extra = dict(secret_env or {})
+    headers = {}
+    client = httpx.Client(timeout=2.0)
+    scheme = "http"
+    if values.get("tls", {}).get("enabled"):
+        certs = _self_signed(workdir / "pki")
+        # The Secret, as `kubectl create secret tls` plus ca.crt would hold it.
+        for source in sources:
+            for item in source.get("secret", {}).get("items", []):
+                shutil.copy(certs[item["key"]], etc / item["path"])
+        context = ssl.create_default_context(cafile=str(certs["ca.crt"]))
+        context.load_cert_chain(str(certs["client.crt"]), str(certs["client.key"]))
+        client = httpx.Client(timeout=2.0, verify=context)
+        scheme = "https"
+    if values.get("auth", {}).get("enabled"):
+        env_extra["DURABLE_CHECK_BEARER_TOKEN"] = "test-token-for-the-chart"
+        headers["authorization"] = "Bearer test-token-for-the-chart"
+
+    expected = {("DS002", "critical", "checkout-agent"): 1.0}
+    if "payments.yaml" in values.get("rules", {}):
+        # The team's own rule of monitoring-values.yaml fires on the same payment.
+        expected[("ACME001", "critical", "checkout-agent")] = 1.0
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(client)
+        alertmanager = prometheus = None
+        if ((config.get("exporters") or {}).get("alertmanager") or {}).get("url"):
+            # The in-cluster Alertmanager Service of the values becomes a real local one.
+            alertmanager = stack.enter_context(alertmanager_server(workdir / "alertmanager"))
+            config["exporters"]["alertmanager"]["url"] = alertmanager.url
+        if values.get("prometheusRule", {}).get("enabled"):
+            # Prometheus with the PrometheusRule's groups, scraping what the ServiceMonitor scrapes.
+            groups = one(objects, "PrometheusRule")["spec"]["groups"]
+            rule_file = write_yaml(workdir / "prometheus-rules.yaml", {"groups": groups})
+            prometheus = stack.enter_context(
+                prometheus_server(workdir / "prometheus", [f"127.0.0.1:{ports[9464]}"], [rule_file]))
+        config_path = write_yaml(workdir / "config.yaml", config)
+        give_to_unprivileged(workdir / "config.yaml", etc, data, scratch)
+        env = base_env(env_extra, tmp_dir=scratch)
+        checked = check_config(config_path, env, cwd=data)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+
+        server = stack.enter_context(ServeProcess(config_path, env, cwd=data, log_path=workdir / "serve.log"))
+        base = f"{scheme}://127.0.0.1:{ports[4318]}"
+        server.wait_for(f"{base}/readyz", client=client)
+        # docs/deploy.md's first violation: an unkeyed payment is DS002.
+        sent = client.post(f"{base}/v1/traces", content=doc_example_request(time.time_ns()),
+                           headers={"content-type": "application/json", **headers})
+        assert sent.status_code == 200, sent.text
+        if headers:
+            refused = client.post(f"{base}/v1/traces", content=doc_example_request(time.time_ns()),
+                                  headers={"content-type": "application/json"})
+            assert refused.status_code == 401
+        # Records wait evaluate.allowed_lateness (5-10s) for ordering before they are evaluated.
+        metrics_url = f"http://127.0.0.1:{ports[9464]}/metrics"
+        wait_until(lambda: violation_counts(httpx.get(metrics_url, timeout=5).text) == expected,
+                   timeout_s=40, interval_s=0.2, what=f"the violation counters {expected}")
+        if prometheus is not None:
+            wait_until(lambda: firing(prometheus.url, "DurableCheckCriticalViolation", "DS002"),
+                       timeout_s=40, interval_s=0.5, what="DurableCheckCriticalViolation firing in Prometheus")
+        if alertmanager is not None:
+            wait_until(lambda: received_by_alertmanager(alertmanager.url, "DS002"),
+                       timeout_s=40, interval_s=0.5, what="the DS002 alert in Alertmanager")
+        code = server.stop()
+    jsonl = data / "violations.jsonl"
+    found = sorted(json.loads(line)["rule"] for line in jsonl.read_text(encoding="utf-8").splitlines())
+    assert found == sorted(rule for rule, _, _ in expected)
+    assert code == 0, server.output()[-4000:]
+
+
+def firing(prometheus_url: str, alertname: str, rule: str) -> bool:
+    alerts = httpx.get(f"{prometheus_url}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
+    return any(a["labels"].get("alertname") == alertname and a["labels"].get("rule") == rule
+               and a["state"] == "firing" for a in alerts)
+
+
+def received_by_alertmanager(alertmanager_url: str, rule: str) -> bool:
+    alerts = httpx.get(f"{alertmanager_url}/api/v2/alerts", timeout=5).json()
+    return any(a["labels"].get("rule") == rule for a in alerts)
+
+
+def test_render_examples_script_check_mode() -> None:
+    result = subprocess.run([sys.executable, str(REPO / "deploy/helm/render-examples.py"), "--check"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr

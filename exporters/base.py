@@ -171,6 +171,8 @@ class RetryQueue(Generic[T]):
         self._batch_size = max(1, batch_size)
         self._policy = policy
         self._remember_sent = remember_sent
+        # Told the keys of every delivered batch (serve's outbox deletes its pending rows then).
+        self._delivery_listeners: list[Callable[[list[str]], None]] = []
         self._queued: OrderedDict[str, T] = OrderedDict()
         self._in_flight: dict[str, T] = {}
         self._sent: OrderedDict[str, None] = OrderedDict()
@@ -296,6 +298,7 @@ class RetryQueue(Generic[T]):
                     self._failures.succeeded()
                     self._telemetry.exporter_sent.labels(self.exporter).inc(len(items))
                     self._remember([k for k, _ in batch])
+                    self._tell_delivered([k for k, _ in batch])
                     break
                 self._telemetry.exporter_failures.labels(self.exporter).inc()
                 self._failures.failed(result.reason, attempt)
@@ -312,6 +315,17 @@ class RetryQueue(Generic[T]):
             with self._cond:
                 self._in_flight = {}
                 self._update_depth()
+
+    def add_delivery_listener(self, listener: Callable[[list[str]], None]) -> None:
+        """``listener(keys)`` is called, from the worker thread, after each batch is delivered."""
+        self._delivery_listeners.append(listener)
+
+    def _tell_delivered(self, keys: list[str]) -> None:
+        for listener in self._delivery_listeners:
+            try:
+                listener(keys)
+            except Exception:  # a listener's failure must not stop deliveries
+                log.exception("exporter %s: a delivery listener failed", self.exporter)
 
     def _remember(self, keys: list[str]) -> None:
         if self._remember_sent <= 0:

@@ -33,6 +33,8 @@ DATA_DIR = "./durable-check-data"
 _MiB = 1024 * 1024
 # Dataclass defaults must be constants, not calls.
 _16MiB = ByteSize(16 * _MiB)
+_256MiB = ByteSize(256 * _MiB)
+_15S = Duration(15.0)
 _1S = Duration(1.0)
 _5S = Duration(5.0)
 _7D = Duration(7 * 86400.0)
@@ -185,9 +187,41 @@ class EvaluateConfig:
 
 
 @dataclass(slots=True)
+class PostgresStateConfig:
+    """The shared store of several replicas (docs/scaling.md)."""
+
+    # libpq connection string or URL; its password never appears in logs or messages.
+    dsn: str = ""
+    # Who this replica is in session_owner and replicas; empty: the host name (the pod name).
+    replica_id: str = ""
+    # A replica that stops renewing for this long is taken for dead; its sessions and work move.
+    lease_ttl: Duration = _15S
+    connect_timeout: Duration = _5S
+
+    def validate(self, path: str) -> list[Problem]:
+        problems: list[Problem] = []
+        if self.lease_ttl < 1:
+            problems.append(Problem(f"{path}.lease_ttl", "must be at least 1s"))
+        if self.connect_timeout <= 0:
+            problems.append(Problem(f"{path}.connect_timeout", "must be more than 0"))
+        if self.replica_id and (len(self.replica_id) > 200 or any(c.isspace() for c in self.replica_id)):
+            problems.append(Problem(f"{path}.replica_id", "at most 200 characters, no spaces"))
+        return problems
+
+
+@dataclass(slots=True)
 class StateConfig:
-    backend: Literal["memory", "sqlite"] = "memory"
+    """Where the engine's state, the inbox journal and the outbox live (docs/state.md)."""
+
+    backend: Literal["memory", "sqlite", "postgres"] = "memory"
     path: str = f"{DATA_DIR}/state.db"
+    # sqlite: FULL fsyncs every commit (an acknowledged request survives a power cut); NORMAL does not.
+    synchronous: Literal["full", "normal"] = "full"
+    # sqlite: how long a commit waits for a lock another process holds before "retry later".
+    busy_timeout: Duration = _5S
+    # Requests acknowledged and not yet evaluated; past it senders are told to retry later.
+    journal_max_size: ByteSize = _256MiB
+    postgres: PostgresStateConfig = field(default_factory=PostgresStateConfig)
 
     def validate(self, path: str) -> list[Problem]:
         problems: list[Problem] = []
@@ -196,6 +230,12 @@ class StateConfig:
                 problems.append(Problem(f"{path}.backend", "'sqlite' is not available in this build; use 'memory'"))
             if not self.path:
                 problems.append(Problem(f"{path}.path", "is required for the sqlite backend"))
+        if self.backend == "postgres" and not self.postgres.dsn:
+            problems.append(Problem(f"{path}.postgres.dsn", "is required for the postgres backend"))
+        if self.busy_timeout < 0:
+            problems.append(Problem(f"{path}.busy_timeout", "must not be negative"))
+        if self.journal_max_size < _MiB:
+            problems.append(Problem(f"{path}.journal_max_size", "must be at least 1MiB"))
         return problems
 
 

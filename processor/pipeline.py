@@ -3,12 +3,16 @@
 Readers and receivers hand it converted items (``Action`` or ``Malformed``); the
 engine turns them into violations; every exporter gets each batch. Exporters never
 raise into the pipeline and never block it (each owns a bounded retry queue).
+
+Serve on a durable store records violations in its outbox before any exporter sees
+them (processor.state.runner): it calls :meth:`Pipeline.evaluate`, which does not
+export, and builds the engine again with ``engine_factory`` after a failed commit.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from processor.records import Action, Malformed
@@ -17,6 +21,7 @@ from processor.violations import Violation
 if TYPE_CHECKING:
     from exporters.base import Exporter
     from processor.evaluate.engine import Engine
+    from processor.state.base import StateStore
     from processor.telemetry import Telemetry
 
 
@@ -26,14 +31,23 @@ class Pipeline:
         engine: Engine,
         exporters: Sequence[Exporter] = (),
         telemetry: Telemetry | None = None,
+        engine_factory: Callable[[StateStore], Engine] | None = None,
     ) -> None:
         self.engine = engine
         self.exporters = list(exporters)
         self.telemetry = telemetry
+        # Builds the engine again, with the same rules and options, on a store (it loads the state).
+        self.engine_factory = engine_factory
         self._actions_exporters = [e for e in self.exporters if getattr(e, "wants_actions", False)]
 
     def process(self, items: Iterable[Action | Malformed]) -> list[Violation]:
         """Evaluate a batch (one OTLP request, or a chunk of a file) and export what it found."""
+        violations = self.evaluate(items)
+        self._export(violations)
+        return violations
+
+    def evaluate(self, items: Iterable[Action | Malformed]) -> list[Violation]:
+        """Evaluate a batch and return what it found, without exporting it (actions still go to their exporters)."""
         if self._actions_exporters:
             items = list(items)
             actions = [item for item in items if isinstance(item, Action)]
@@ -43,7 +57,6 @@ class Pipeline:
         violations = self.engine.submit_many(items)
         if self.telemetry is not None:
             self.telemetry.evaluation_seconds.observe(time.perf_counter() - started)
-        self._export(violations)
         return violations
 
     def tick(self, now_ns: int) -> list[Violation]:

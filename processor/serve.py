@@ -14,6 +14,11 @@ the spans it still holds in its reordering buffer (the last ``allowed_lateness``
 were acknowledged and are evaluated now, or they would be lost with the process;
 only deadlines the clock has already passed fire, and open waits stay open. A
 durable store keeps that buffer across the restart instead.
+
+With a durable store (sqlite, postgres) the worker is
+:class:`processor.state.runner.DurableWorker`: it journals each request before
+acknowledging it and records violations in the store's outbox before the exporters
+see them (docs/state.md).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from processor.receive.otlp_http import build_app
 from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
 from processor.records import Action, Malformed
 from processor.state.base import StateStore
+from processor.state.runner import DurableOptions, DurableWorker
+from processor.state.sqlstore import SqlStateStore
 from processor.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -53,11 +60,21 @@ _RECEIVER_GRACE_S: Final = 3.0
 
 
 def build_store(config: Config) -> StateStore | None:
-    """The configured state store; None for the engine's own in-memory one. StateError names the file."""
-    if config.state.backend == "sqlite":
+    """The configured state store; None for the engine's own in-memory one.
+
+    StateError names the file or server (locked, corrupt, unwritable, unreachable).
+    """
+    state = config.state
+    if state.backend == "sqlite":
         from processor.state.sqlite import SqliteStore
 
-        return SqliteStore(config.state.path)
+        return SqliteStore(state.path, synchronous=state.synchronous, busy_timeout_s=float(state.busy_timeout))
+    if state.backend == "postgres":
+        from processor.state.postgres import PostgresStore
+
+        pg = state.postgres
+        return PostgresStore(pg.dsn, replica_id=pg.replica_id or None, lease_ttl_s=float(pg.lease_ttl),
+                             connect_timeout_s=float(pg.connect_timeout))
     return None
 
 
@@ -76,7 +93,11 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
         mode="serve",
     )
     engine = Engine(ruleset, options, store=store, telemetry=telemetry)
-    return Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry)
+
+    def engine_factory(on: StateStore) -> Engine:
+        return Engine(ruleset, options, store=on, telemetry=telemetry)
+
+    return Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry, engine_factory)
 
 
 class EvaluatorWorker:
@@ -240,16 +261,31 @@ class Server:
             # A span is evaluated once it has waited allowed_lateness and a tick has run.
             hold_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
             hold = AnnotatingHold(self.forwarder, hold_s, config.forward.max_buffer_spans)
-        self.worker = EvaluatorWorker(
-            self.queue,
-            pipeline,
-            converter=SpanConverter(config.convert),
-            hold=hold,
-            tick_interval_s=float(config.evaluate.tick_interval),
-            telemetry=telemetry,
-            # A durable store keeps the reordering buffer across the restart; memory would lose it.
-            finish_on_exit=store is None,
-        )
+        self.worker: EvaluatorWorker | DurableWorker
+        if isinstance(store, SqlStateStore) and pipeline.engine_factory is not None:
+            # Journal before acknowledging, violations through the outbox (processor.state.runner).
+            self.worker = DurableWorker(
+                self.queue,
+                pipeline,
+                store,
+                pipeline.engine_factory,
+                converter=SpanConverter(config.convert),
+                hold=hold,
+                tick_interval_s=float(config.evaluate.tick_interval),
+                telemetry=telemetry,
+                options=DurableOptions(journal_max_bytes=int(config.state.journal_max_size)),
+            )
+        else:
+            self.worker = EvaluatorWorker(
+                self.queue,
+                pipeline,
+                converter=SpanConverter(config.convert),
+                hold=hold,
+                tick_interval_s=float(config.evaluate.tick_interval),
+                telemetry=telemetry,
+                # A durable store keeps the reordering buffer across the restart; memory would lose it.
+                finish_on_exit=store is None,
+            )
         self._started = False
         self._draining = False
         self._grpc: OTLPGrpcReceiver | None = None
@@ -270,6 +306,8 @@ class Server:
             return False, "shutting down"
         if self.queue.is_full():
             return False, "queue full"
+        if isinstance(self.worker, DurableWorker) and not self.worker.healthy:
+            return False, "the state store is failing"
         return True, ""
 
     async def start(self) -> None:

@@ -8,10 +8,11 @@ HTTP 503 with Retry-After), and the sender's exporter retries it later. Nothing 
 dropped silently.
 
 A request is acknowledged in one place, :meth:`IngestQueue.put_and_wait_durable`:
-it returns once the worker has taken the request through conversion and evaluation
-(that is when the number of rejected spans for the partial-success answer is known).
-A durable store adds its commit before the worker resolves the acknowledgement, so
-that point stays the same.
+it returns once the worker resolves the request's future. With the in-memory state
+that is after conversion and evaluation (when the number of rejected spans for the
+partial-success answer is known). With a durable store it is after conversion and
+the inbox journal's commit (processor.state.runner): the request is on disk, and is
+evaluated from the journal, after a crash too.
 """
 
 from __future__ import annotations

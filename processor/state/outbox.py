@@ -1,0 +1,257 @@
+"""The transactional outbox: a violation is recorded with the state that found it, then delivered.
+
+Violations found while evaluating a batch are inserted in the same transaction as the
+state commit, keyed by ``violation_id`` (``ON CONFLICT DO NOTHING``: a violation
+already recorded is never recorded, nor delivered, again). For every configured
+exporter a row in ``outbox_pending`` says it still has to get it. After the commit the
+:class:`Dispatcher` hands the new violations to the exporters; a pending row is
+deleted when its exporter confirms delivery, in a later transaction.
+
+After a crash every pending row is handed over again. Exporters are idempotent on the
+violation id (the JSONL exporter reads back the ids it wrote, webhooks carry an
+Idempotency-Key, Alertmanager alerts carry the id among their labels), so a violation
+handed over twice is written, sent or alerted once.
+
+An exporter confirms delivery when it offers ``add_delivery_listener(callback)``
+(called with the delivered violation ids, from the exporter's own thread); one that
+does not is taken as delivered once ``export()`` returns (it has taken the violation
+into its own queue). Handed-over rows not confirmed within ``redeliver_after_s`` are
+handed over again (an exporter that gave up on them after its retries).
+
+Delivered rows are kept (``keep_delivered`` newest) so that a violation found again
+later is still recognised as already emitted; pending rows per exporter are bounded
+(``max_pending``), the oldest dropped and counted, as an exporter's own queue would.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import orjson
+
+from processor.state.sqlstore import SqlStateStore, dumps
+from processor.violations import Violation
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEP_DELIVERED: Final = 100_000
+DEFAULT_MAX_PENDING: Final = 100_000
+
+
+def violation_to_bytes(violation: Violation) -> bytes:
+    return dumps(dataclasses.asdict(violation))
+
+
+def violation_from_bytes(body: bytes) -> Violation:
+    plain: dict[str, Any] = orjson.loads(body)
+    plain["tags"] = tuple(plain.get("tags") or ())
+    return Violation(**plain)
+
+
+class Outbox:
+    """The outbox table of a store, for a fixed list of exporter names."""
+
+    def __init__(
+        self,
+        store: SqlStateStore,
+        exporters: Sequence[str],
+        *,
+        keep_delivered: int = DEFAULT_KEEP_DELIVERED,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        self._store = store
+        self.exporters = tuple(exporters)
+        self.keep_delivered = keep_delivered
+        self.max_pending = max_pending
+
+    def add_in_unit(
+        self, violations: Sequence[Violation], recorded: Callable[[list[tuple[int, Violation]]], None]
+    ) -> None:
+        """Record ``violations`` in the open unit; ``recorded`` gets the new ones once committed."""
+        if not violations:
+            return
+        fresh: list[tuple[int, Violation]] = []
+        store = self._store
+
+        def op() -> None:
+            fresh.clear()
+            now = time.time_ns()
+            for violation in violations:
+                row = store.execute(
+                    "INSERT INTO outbox (violation_id, replica_id, session_id, created_ns, body)"
+                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (violation_id) DO NOTHING RETURNING seq",
+                    (violation.violation_id, store.replica_id, violation.session_id, now,
+                     violation_to_bytes(violation)),
+                ).fetchone()
+                if row is not None:
+                    fresh.append((int(row[0]), violation))
+            if fresh and self.exporters:
+                store.executemany(
+                    "INSERT INTO outbox_pending (exporter, seq) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                    [(name, seq) for seq, _ in fresh for name in self.exporters],
+                )
+
+        store.in_unit(op, lambda: recorded(list(fresh)))
+
+    def delivered_in_unit(self, exporter: str, seqs: Sequence[int]) -> None:
+        if not seqs:
+            return
+        rows = [(exporter, seq) for seq in seqs]
+        self._store.in_unit(lambda: self._store.executemany(
+            "DELETE FROM outbox_pending WHERE exporter = ? AND seq = ?", rows))
+
+    def prune_in_unit(self) -> None:
+        """Bound the table: forget the oldest delivered rows, and pending rows past ``max_pending``."""
+        store = self._store
+
+        def op() -> None:
+            for name in self.exporters:
+                cut = store.execute(
+                    "SELECT seq FROM outbox_pending WHERE exporter = ? ORDER BY seq DESC LIMIT 1 OFFSET ?",
+                    (name, self.max_pending),
+                ).fetchone()
+                if cut is not None:
+                    dropped = store.execute(
+                        "DELETE FROM outbox_pending WHERE exporter = ? AND seq <= ?", (name, int(cut[0]))
+                    ).rowcount
+                    log.error("outbox: exporter %s has more than %d undelivered violations; dropped the %d oldest",
+                              name, self.max_pending, dropped)
+            cut = store.execute(
+                "SELECT seq FROM outbox WHERE replica_id = ? ORDER BY seq DESC LIMIT 1 OFFSET ?",
+                (store.replica_id, self.keep_delivered),
+            ).fetchone()
+            if cut is not None:
+                store.execute(
+                    "DELETE FROM outbox WHERE replica_id = ? AND seq <= ?"
+                    " AND NOT EXISTS (SELECT 1 FROM outbox_pending p WHERE p.seq = outbox.seq)",
+                    (store.replica_id, int(cut[0])),
+                )
+
+        store.in_unit(op)
+
+    def forget_unknown_exporters(self) -> None:
+        """Pending rows of exporters no longer configured would wait forever: drop them (own transaction)."""
+        store = self._store
+        names = self.exporters
+
+        def op() -> None:
+            marks = ", ".join("?" for _ in names)
+            condition = f"exporter NOT IN ({marks})" if names else "1 = 1"
+            # Only placeholders are formatted into the statement; the names are parameters.
+            statement = (
+                f"DELETE FROM outbox_pending WHERE {condition} AND seq IN"  # noqa: S608
+                " (SELECT seq FROM outbox WHERE replica_id = ?)"
+            )
+            dropped = store.execute(statement, (*names, store.replica_id)).rowcount
+            if dropped:
+                log.warning("outbox: dropped %d undelivered violation(s) of exporters no longer configured", dropped)
+
+        store.write([op])
+
+    def pending(self, exporter: str, after_seq: int = 0, limit: int = 1000) -> list[tuple[int, Violation]]:
+        rows = self._store.query(
+            "SELECT o.seq, o.body FROM outbox_pending p JOIN outbox o ON o.seq = p.seq"
+            " WHERE p.exporter = ? AND o.replica_id = ? AND p.seq > ? ORDER BY p.seq LIMIT ?",
+            (exporter, self._store.replica_id, after_seq, limit),
+        )
+        return [(int(seq), violation_from_bytes(bytes(body))) for seq, body in rows]
+
+    def recorded_ids(self) -> set[str]:
+        """Every violation id in the outbox (tests, debugging)."""
+        return {str(r[0]) for r in self._store.query("SELECT violation_id FROM outbox")}
+
+
+class Dispatcher:
+    """Hands outbox rows to the exporters and collects their confirmations; driven by the evaluator thread."""
+
+    def __init__(self, outbox: Outbox, exporters: Sequence[Any], *, redeliver_after_s: float = 60.0) -> None:
+        self._outbox = outbox
+        self._exporters = {e.name: e for e in exporters}
+        self.redeliver_after_s = redeliver_after_s
+        # exporter -> violation id -> (seq, monotonic time handed over)
+        self._in_flight: dict[str, dict[str, tuple[int, float]]] = {name: {} for name in self._exporters}
+        self._lock = threading.Lock()
+        self._confirmed: collections.deque[tuple[str, list[str]]] = collections.deque()
+        self._confirming: set[str] = set()
+        for name, exporter in self._exporters.items():
+            listen = getattr(exporter, "add_delivery_listener", None)
+            if callable(listen):
+                listen(self._listener(name))
+                self._confirming.add(name)
+
+    def _listener(self, name: str) -> Callable[[Sequence[str]], None]:
+        def delivered(violation_ids: Sequence[str]) -> None:
+            with self._lock:
+                self._confirmed.append((name, list(violation_ids)))
+
+        return delivered
+
+    def hand_over(self, rows: Sequence[tuple[int, Violation]], only: str | None = None) -> None:
+        """Give ``rows`` to every exporter (or just ``only``); exporters never raise into the caller."""
+        if not rows:
+            return
+        now = time.monotonic()
+        for name, exporter in self._exporters.items():
+            if only is not None and name != only:
+                continue
+            flight = self._in_flight[name]
+            for seq, violation in rows:
+                flight[violation.violation_id] = (seq, now)
+            exporter.export([v for _, v in rows])
+            if name not in self._confirming:
+                with self._lock:
+                    self._confirmed.append((name, [v.violation_id for _, v in rows]))
+
+    def confirmations_in_unit(self) -> int:
+        """Delete the pending rows of confirmed deliveries in the open unit; returns how many."""
+        with self._lock:
+            batches = list(self._confirmed)
+            self._confirmed.clear()
+        count = 0
+        by_exporter: dict[str, list[int]] = {}
+        for name, ids in batches:
+            flight = self._in_flight.get(name, {})
+            for violation_id in ids:
+                entry = flight.pop(violation_id, None)
+                if entry is not None:
+                    by_exporter.setdefault(name, []).append(entry[0])
+                    count += 1
+        for name, seqs in by_exporter.items():
+            self._outbox.delivered_in_unit(name, seqs)
+        return count
+
+    def has_confirmations(self) -> bool:
+        with self._lock:
+            return bool(self._confirmed)
+
+    def resume(self) -> int:
+        """Hand over every pending row (at start, after a rebuild); returns how many rows."""
+        total = 0
+        for name in self._exporters:
+            self._in_flight[name].clear()
+            after = 0
+            while True:
+                rows = self._outbox.pending(name, after)
+                if not rows:
+                    break
+                self.hand_over(rows, only=name)
+                total += len(rows)
+                after = rows[-1][0]
+        return total
+
+    def redeliver_overdue(self) -> None:
+        """Hand over again what was handed over long ago and never confirmed."""
+        cutoff = time.monotonic() - self.redeliver_after_s
+        for name in self._confirming:
+            overdue = [(seq, vid) for vid, (seq, at) in self._in_flight[name].items() if at <= cutoff]
+            if not overdue:
+                continue
+            rows = {seq for seq, _ in overdue}
+            again = [row for row in self._outbox.pending(name, min(rows) - 1, limit=len(rows) * 2) if row[0] in rows]
+            self.hand_over(again, only=name)

@@ -1,0 +1,325 @@
+"""The shared store: the same tables in PostgreSQL, for several serve replicas.
+
+Each replica has a ``replica_id`` (by default the host name: the pod name in
+Kubernetes). What it owns:
+
+- **Sessions**, through ``session_owner(session_id, replica_id, lease_until)``. Before a
+  request is journaled (and so acknowledged) its sessions are claimed in the journal's
+  transaction, the rows locked ``FOR UPDATE``: a session held by another replica whose
+  lease has not expired refuses the request ("retry later", and the Collector's
+  load-balancing exporter retries it), so two replicas never evaluate one session at
+  once. Every commit that saves a session checks, under the same lock, that this
+  replica still owns it, and renews the lease (``lease_ttl_s``). A session whose lease
+  expired is taken over by the next replica that gets a request for it; that replica
+  loads the session's state as its last owner committed it.
+- **Its engine-wide state and journal**, keyed by ``replica_id``.
+- **A heartbeat** in ``replicas(replica_id, lease_until)``, renewed by :meth:`maintain`.
+  A replica whose heartbeat expired is dead: the first live replica to notice adopts,
+  in one transaction, its sessions, its journal (acknowledged requests not yet
+  evaluated), the spans of its reordering buffer (they join the adopter's buffer as
+  they were) and its undelivered outbox rows. Nothing it acknowledged is lost. Until
+  then a request for one of its sessions is refused ("retry later"): the stopped
+  replica's journal may hold older requests of that session, and they go first.
+
+Leases are measured on the database's clock (``clock_timestamp()``), so replicas whose
+clocks disagree still agree on who owns what.
+
+A lost connection is a :class:`~processor.state.faults.StateUnavailable`: the receivers
+answer "retry later", and the next operation reconnects (one attempt per operation;
+the worker paces them with capped backoff).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any, Final
+
+import orjson
+import psycopg
+
+from processor.errors import StateError
+from processor.state.faults import SessionOwnedElsewhere, postgres_error
+from processor.state.sqlstore import SCHEMA_VERSION, TABLES, SqlStateStore, dumps
+
+log = logging.getLogger(__name__)
+
+_TYPES: Final = {"INT": "BIGINT", "BLOB": "BYTEA", "SERIAL": "BIGSERIAL PRIMARY KEY"}
+_OWNERSHIP: Final = (
+    "CREATE TABLE IF NOT EXISTS replicas (replica_id TEXT PRIMARY KEY, lease_until TIMESTAMPTZ NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS session_owner ("
+    " session_id TEXT PRIMARY KEY, replica_id TEXT NOT NULL, lease_until TIMESTAMPTZ NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS session_owner_by_replica ON session_owner (replica_id)",
+    # A lease ends this many seconds from now, on the database's clock.
+    "CREATE OR REPLACE FUNCTION lease_end(seconds double precision) RETURNS timestamptz"
+    " AS 'SELECT clock_timestamp() + make_interval(secs => $1)' LANGUAGE sql VOLATILE",
+)
+# Serialises schema creation between replicas starting at once.
+_SCHEMA_LOCK: Final = 0x44555241
+
+
+def default_replica_id() -> str:
+    return socket.gethostname()
+
+
+def redact(url: str) -> str:
+    """The server's address as a log may show it: no password."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "(unparsable connection string)"
+    host = info.get("host") or "localhost"
+    port = info.get("port") or "5432"
+    return f"{host}:{port}/{info.get('dbname') or ''}"
+
+
+class PostgresStore(SqlStateStore):
+    def __init__(
+        self,
+        url: str,
+        *,
+        replica_id: str | None = None,
+        lease_ttl_s: float = 15.0,
+        connect_timeout_s: float = 5.0,
+        statement_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(replica_id or default_replica_id())
+        self._url = url
+        self.where = redact(url)
+        self.lease_ttl_s = lease_ttl_s
+        self._connect_timeout_s = connect_timeout_s
+        self._statement_timeout_s = statement_timeout_s
+        self._conn: psycopg.Connection[Any] | None = None
+        self._takeover = False
+        self._registered = False
+        try:
+            self._connect()
+            self._create_tables()
+            self._load_timers()
+        except psycopg.Error as exc:
+            self.close()
+            raise postgres_error(exc, self.where) from None
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        if self._conn is not None and not self._conn.closed and not self._conn.broken:
+            return self._conn
+        if self._conn is not None:
+            self.close()
+        self._conn = psycopg.connect(
+            self._url, autocommit=True, connect_timeout=max(1, round(self._connect_timeout_s)),
+            options=f"-c statement_timeout={int(self._statement_timeout_s * 1000)}",
+            application_name=f"durable-check {self.replica_id}"[:63],
+        )
+        return self._conn
+
+    def _create_tables(self) -> None:
+        self.begin()
+        try:
+            self.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
+            for statement in (*TABLES, *_OWNERSHIP):
+                self.execute(statement.format(**_TYPES))
+            found = self.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if found is None:
+                self.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(found[0]) != SCHEMA_VERSION:
+                raise StateError(f"the state database {self.where} has schema version {found[0]}; this build "
+                                 f"reads version {SCHEMA_VERSION}")
+            self.commit_transaction()
+        except BaseException:
+            self.rollback()
+            raise
+
+    # -- SqlStateStore ---------------------------------------------------------------------
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        conn = self._connect()
+        return conn.execute(sql.replace("?", "%s"), tuple(params) if params else None)
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        conn = self._connect()
+        with conn.cursor() as cursor:
+            cursor.executemany(sql.replace("?", "%s"), rows)
+
+    def begin(self) -> None:
+        self.execute("BEGIN")
+
+    def commit_transaction(self) -> None:
+        self.execute("COMMIT")
+
+    def rollback(self) -> None:
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            return
+        try:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                conn.execute("ROLLBACK")
+        except psycopg.Error:
+            log.warning("rolling back on the PostgreSQL server %s failed; reconnecting", self.where)
+            self.close()
+
+    def translate(self, exc: Exception) -> StateError | None:
+        if isinstance(exc, psycopg.Error):
+            return postgres_error(exc, self.where)
+        return None
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except psycopg.Error:
+                log.warning("closing the connection to %s failed", self.where)
+
+    def owned_sessions_clause(self) -> tuple[str, tuple[Any, ...]]:
+        return "session_id IN (SELECT session_id FROM session_owner WHERE replica_id = ?)", (self.replica_id,)
+
+    # -- ownership ---------------------------------------------------------------------------
+
+    def admit(self, session_ids: frozenset[str]) -> StateError | None:
+        """Claim the request's sessions (inside the journal transaction); refuse when another live replica has one."""
+        me = self.replica_id
+        for session_id in sorted(session_ids):
+            row = self.execute(
+                "SELECT replica_id, lease_until > clock_timestamp() FROM session_owner WHERE session_id = ?"
+                " FOR UPDATE", (session_id,),
+            ).fetchone()
+            if row is None:
+                inserted = self.execute(
+                    "INSERT INTO session_owner (session_id, replica_id, lease_until) VALUES (?, ?, lease_end(?))"
+                    " ON CONFLICT (session_id) DO NOTHING RETURNING 1",
+                    (session_id, me, self.lease_ttl_s),
+                ).fetchone()
+                if inserted is None:
+                    return SessionOwnedElsewhere("a session of this request was just claimed by another replica")
+                if self.execute("SELECT 1 FROM sessions WHERE session_id = ?", (session_id,)).fetchone():
+                    self._takeover = True
+                continue
+            owner, live = str(row[0]), bool(row[1])
+            if owner != me and live:
+                return SessionOwnedElsewhere(
+                    "a session of this request is held by another replica until its lease expires"
+                )
+            if owner != me and self._stopped_unadopted(owner):
+                # Its journal may hold older requests of this session: they go first, once adopted.
+                return SessionOwnedElsewhere(
+                    "a session of this request belongs to a replica that stopped; its work is being adopted"
+                )
+            self.execute(
+                "UPDATE session_owner SET replica_id = ?, lease_until = lease_end(?) WHERE session_id = ?",
+                (me, self.lease_ttl_s, session_id),
+            )
+            if owner != me:
+                self._takeover = True
+        return None
+
+    def _stopped_unadopted(self, replica: str) -> bool:
+        row = self.execute(
+            "SELECT lease_until < clock_timestamp() FROM replicas WHERE replica_id = ?", (replica,)
+        ).fetchone()
+        return row is not None and bool(row[0])
+
+    def takeover_pending(self) -> bool:
+        taken, self._takeover = self._takeover, False
+        return taken
+
+    def before_state_write(self, saved: Sequence[str], deleted: Sequence[str]) -> None:
+        """Every session written must still be this replica's: checked under lock, leases renewed."""
+        if not saved and not deleted:
+            return
+        me = self.replica_id
+        ids = sorted({*saved, *deleted})
+        rows = self.execute(
+            "SELECT session_id, replica_id FROM session_owner WHERE session_id = ANY(?) ORDER BY session_id"
+            " FOR UPDATE", (ids,),
+        ).fetchall()
+        owners = {str(r[0]): str(r[1]) for r in rows}
+        moved = {sid: owner for sid, owner in owners.items() if owner != me}
+        if moved:
+            raise SessionOwnedElsewhere(
+                f"{len(moved)} session(s) of this batch moved to another replica", moved=moved
+            )
+        missing = [sid for sid in saved if sid not in owners]
+        for session_id in missing:
+            inserted = self.execute(
+                "INSERT INTO session_owner (session_id, replica_id, lease_until) VALUES (?, ?, lease_end(?))"
+                " ON CONFLICT (session_id) DO NOTHING RETURNING 1",
+                (session_id, me, self.lease_ttl_s),
+            ).fetchone()
+            if inserted is None:
+                raise SessionOwnedElsewhere("a session of this batch was claimed by another replica")
+        if saved:
+            self.execute(
+                "UPDATE session_owner SET lease_until = lease_end(?) WHERE session_id = ANY(?) AND replica_id = ?",
+                (self.lease_ttl_s, list(saved), me),
+            )
+        if deleted:
+            self.execute("DELETE FROM session_owner WHERE session_id = ANY(?) AND replica_id = ?", (list(deleted), me))
+
+    def maintain(self) -> bool:
+        """Renew the heartbeat; adopt replicas whose heartbeat expired. True when this replica now owns more
+        (or was itself adopted while it stalled): the owner rebuilds its engine and re-reads its journal."""
+        me = self.replica_id
+        adopted: list[str] = []
+        lost = False
+
+        def op() -> None:
+            nonlocal lost
+            renewed = self.execute(
+                "UPDATE replicas SET lease_until = lease_end(?) WHERE replica_id = ?", (self.lease_ttl_s, me)
+            ).rowcount
+            if not renewed:
+                lost = self._registered
+                self.execute(
+                    "INSERT INTO replicas (replica_id, lease_until) VALUES (?, lease_end(?))"
+                    " ON CONFLICT (replica_id) DO UPDATE SET lease_until = excluded.lease_until",
+                    (me, self.lease_ttl_s),
+                )
+            dead = self.execute(
+                "SELECT replica_id FROM replicas WHERE lease_until < clock_timestamp() AND replica_id <> ?"
+                " ORDER BY replica_id FOR UPDATE SKIP LOCKED", (me,),
+            ).fetchall()
+            for (replica,) in dead:
+                self._adopt(str(replica))
+                adopted.append(str(replica))
+
+        self.write([op])
+        self._registered = True
+        for replica in adopted:
+            log.warning("replica %s stopped renewing its lease; its sessions and accepted requests are adopted",
+                        replica)
+        if lost:
+            log.warning("this replica's lease expired while it stalled; its work was adopted by another")
+        return bool(adopted) or lost
+
+    def _adopt(self, dead: str) -> None:
+        me = self.replica_id
+        self.execute(
+            "UPDATE session_owner SET replica_id = ?, lease_until = lease_end(?) WHERE replica_id = ?",
+            (me, self.lease_ttl_s, dead),
+        )
+        self.execute("UPDATE journal SET replica_id = ? WHERE replica_id = ?", (me, dead))
+        # Its reordering buffer held acknowledged spans, already marked seen in their sessions: they
+        # join this replica's buffer as they are (re-submitting them would take them for redeliveries).
+        # Their arrival numbers are moved below this replica's own, keeping them unique.
+        low = self.execute("SELECT coalesce(min(arrival), 0) FROM engine_buffer WHERE replica_id = ?",
+                           (me,)).fetchone()
+        high = self.execute("SELECT coalesce(max(arrival), 0) FROM engine_buffer WHERE replica_id = ?",
+                            (dead,)).fetchone()
+        offset = min(int(low[0]), 0) - int(high[0]) - 1
+        moved = self.execute(
+            "SELECT arrival, body FROM engine_buffer WHERE replica_id = ?", (dead,)
+        ).fetchall()
+        self.execute("DELETE FROM engine_buffer WHERE replica_id = ?", (dead,))
+        if moved:
+            rows = []
+            for arrival, body in moved:
+                plain = orjson.loads(bytes(body))
+                plain["arrival"] = int(arrival) + offset
+                rows.append((me, int(arrival) + offset, dumps(plain)))
+            self.executemany("INSERT INTO engine_buffer (replica_id, arrival, body) VALUES (?, ?, ?)", rows)
+        self.execute("DELETE FROM engine WHERE replica_id = ?", (dead,))
+        self.execute("UPDATE outbox SET replica_id = ? WHERE replica_id = ?", (me, dead))
+        self.execute("DELETE FROM replicas WHERE replica_id = ?", (dead,))

@@ -1,0 +1,524 @@
+"""Serve's evaluator worker on a durable store: journal, acknowledge, evaluate, record, deliver.
+
+The same single thread that owns the engine owns the store's connection. Its loop:
+
+1. **Journal.** Take every request waiting in the queue (up to ``max_group``, waiting
+   ``linger_s`` for more after the first), convert each (the partial-success answer
+   needs the rejected spans), and append them all to the inbox journal in one
+   transaction: one fsync for the group. A shared store claims the requests' sessions
+   in that transaction.
+2. **Acknowledge.** Each journaled request is answered success (with its partial
+   success); a request that could not be journaled (disk full, read-only, journal
+   full, its session held by another replica) is answered "retry later". Nothing is
+   acknowledged that is not on disk.
+3. **Evaluate.** Journaled entries go through the engine in order, up to
+   ``max_group`` per unit of work; one transaction then commits the engine's state,
+   deletes the entries from the journal and records the violations in the outbox.
+4. **Deliver.** New outbox rows are handed to the exporters; their confirmations are
+   deleted from ``outbox_pending`` in the next transaction.
+
+Every ``tick_interval`` the engine's clock moves (deadlines fire, in a unit of work of
+their own), overdue deliveries are handed over again, and a shared store renews its
+lease and adopts the work of replicas that died.
+
+**Faults.** A failed commit rolls back; the engine is rebuilt from the last committed
+state and the journal's entries are evaluated again (with capped backoff while the
+fault lasts). Requests arriving meanwhile are answered "retry later" when they cannot
+be journaled. At start, entries left in the journal by a crash are evaluated before
+anything new, and undelivered outbox rows are handed over again.
+
+Shutdown evaluates what was journaled; the reordering buffer stays in the store (the
+spans it holds were acknowledged and are released after the restart), so there is no
+``finish()``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from processor.convert.spans import SpanConverter
+from processor.errors import StateError
+from processor.receive.otlp_common import (
+    RequestDecodeError,
+    parse_protobuf,
+    partial_success_message,
+    rejected_span_count,
+)
+from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
+from processor.records import Action, Malformed
+from processor.state.faults import SessionOwnedElsewhere
+from processor.state.journal import Journal, JournalEntry, NewEntry
+from processor.state.outbox import Dispatcher, Outbox
+from processor.state.sqlstore import SqlStateStore
+from processor.telemetry import Telemetry
+from processor.violations import Violation
+
+if TYPE_CHECKING:
+    from processor.evaluate.engine import Engine, EngineOptions
+    from processor.evaluate.model import RuleSet
+    from processor.pipeline import Pipeline
+    from processor.receive.forward import AnnotatingHold
+    from processor.state.base import StateStore
+
+log = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S: Final = 5.0
+_PRUNE_EVERY_TICKS: Final = 60
+_SEQ_KEY: Final = "next_seq"
+_UNHEALTHY_AFTER_FAILURE_S: Final = 5.0
+
+
+@dataclass(slots=True)
+class _Work:
+    """A journaled entry waiting for evaluation; ``items`` is None until converted (entries read back)."""
+
+    entry_id: int
+    size: int
+    items: list[Action | Malformed] | None = None
+    # The request, for processor mode's forwarder (None for entries read back after a restart).
+    request: Any = None
+    entry: JournalEntry | None = None
+
+
+@dataclass(slots=True)
+class DurableOptions:
+    linger_s: float = 0.003
+    max_group: int = 64
+    # Journaled requests are evaluated together, up to this many or once the oldest waited this long:
+    # the state commit (whose size grows with the reordering buffer) is shared by more requests.
+    max_evaluate: int = 512
+    evaluate_after_s: float = 0.05
+    journal_max_bytes: int = 256 * 1024 * 1024
+    redeliver_after_s: float = 60.0
+    maintain_interval_s: float = 1.0
+
+
+@dataclass(slots=True)
+class _Stats:
+    journaled: int = 0
+    evaluated: int = 0
+    replayed: int = 0
+    recoveries: int = 0
+    refused: int = 0
+    groups: int = 0
+
+
+class DurableWorker:
+    """The single consumer of the queue on a durable store. Same surface as serve's in-memory worker."""
+
+    def __init__(
+        self,
+        queue: IngestQueue,
+        pipeline: Pipeline,
+        store: SqlStateStore,
+        engine_factory: Callable[[SqlStateStore], Engine],
+        *,
+        converter: SpanConverter,
+        hold: AnnotatingHold | None,
+        tick_interval_s: float,
+        telemetry: Telemetry,
+        options: DurableOptions | None = None,
+    ) -> None:
+        self._queue = queue
+        self._pipeline = pipeline
+        self._store = store
+        self._engine_factory = engine_factory
+        self._converter = converter
+        self._hold = hold
+        self._tick_interval_s = tick_interval_s
+        self._telemetry = telemetry
+        self._options = options or DurableOptions()
+        self._journal: Journal | None = None
+        self._outbox = Outbox(store, [e.name for e in pipeline.exporters])
+        self._dispatcher = Dispatcher(self._outbox, pipeline.exporters,
+                                      redeliver_after_s=self._options.redeliver_after_s)
+        self._pending: collections.deque[_Work] = collections.deque()
+        # When the oldest entry of _pending was journaled (or the last evaluation, if later).
+        self._pending_since = 0.0
+        self._seq = 0
+        self._deadline = float("inf")
+        self._broken_until = 0.0
+        self._backoff_s = 0.0
+        self._ticks = 0
+        self._last_maintain = 0.0
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="durable-check-evaluator", daemon=True)
+        self.processed_spans = 0
+        self.stats = _Stats()
+        self._last_failure = float("-inf")
+
+    @property
+    def healthy(self) -> bool:
+        """False while the store refuses writes (and for a few seconds after): readiness reports it."""
+        return time.monotonic() - self._last_failure > _UNHEALTHY_AFTER_FAILURE_S
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        self._started.wait(60.0)
+        if self._start_error is not None:
+            raise self._start_error
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until the (closed) queue is empty and the journal evaluated (at most ``timeout_s``)."""
+        self._deadline = time.monotonic() + timeout_s
+        self._thread.join(timeout_s + 1.0)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            self._resume()
+        except BaseException as exc:  # reported to start(): serve must not run without its state
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        next_tick = time.monotonic() + self._tick_interval_s
+        while True:
+            group: list[Batch] = []
+            try:
+                wait = max(0.0, next_tick - time.monotonic())
+                if self._pending:
+                    wait = min(wait, max(0.0, self._pending_since + self._options.evaluate_after_s - time.monotonic()))
+                group = self._take_group(wait)
+                if group:
+                    self._accept(group)
+                if self._evaluation_due():
+                    self._evaluate_some()
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self._tick_interval_s
+                    self._tick()
+                if self._queue.drained() and (not self._pending or time.monotonic() > self._deadline):
+                    self._final()
+                    return
+                if self._hold is not None:
+                    self._hold.release_due(time.monotonic())
+                if self._pending and time.monotonic() < self._broken_until:
+                    time.sleep(min(0.05, self._broken_until - time.monotonic()))
+            except Exception as exc:  # a bug must not stop the checker: back to the last committed state
+                log.error("the evaluator met an unexpected error: %s", type(exc).__name__,
+                          exc_info=log.isEnabledFor(logging.DEBUG))
+                for batch in group:
+                    _resolve(batch, error=ProcessingFailed("internal error; see the checker's log"))
+                self._recover("an unexpected error")
+
+    def _resume(self) -> None:
+        store = self._store
+        self._journal = Journal(store, max_bytes=self._options.journal_max_bytes)
+        seq = store.meta_get(_SEQ_KEY)
+        self._seq = int(seq) if seq is not None else 0
+        self._outbox.forget_unknown_exporters()
+        if store.maintain():
+            # Work of a stopped replica adopted before this engine saw it: build it again with that work.
+            store.reset()
+            self._rebuild("work adopted from a replica that stopped")
+        self._reload_journal()
+        if self._pending:
+            log.info("resuming: %d request(s) accepted before the last stop are evaluated first", len(self._pending))
+            self.stats.replayed += len(self._pending)
+        handed = self._dispatcher.resume()
+        if handed:
+            log.info("resuming: %d undelivered violation(s) handed to the exporters again", handed)
+
+    def _reload_journal(self) -> None:
+        assert self._journal is not None
+        self._pending.clear()
+        after = 0
+        while True:
+            entries = self._journal.pending(after, limit=1000)
+            if not entries:
+                break
+            self._pending.extend(_Work(e.id, e.size, entry=e) for e in entries)
+            after = entries[-1].id
+
+    def _final(self) -> None:
+        """Record the confirmations that came in; the store keeps the rest for the next start."""
+        if self._hold is not None:
+            self._hold.release_all()
+        if self._dispatcher.has_confirmations():
+            with contextlib.suppress(StateError), self._store.unit():
+                self._dispatcher.confirmations_in_unit()
+
+    # -- 1, 2: journal and acknowledge -------------------------------------------------------
+
+    def _evaluation_due(self) -> bool:
+        if not self._pending or time.monotonic() < self._broken_until:
+            return False
+        return (
+            len(self._pending) >= self._options.max_evaluate
+            or time.monotonic() >= self._pending_since + self._options.evaluate_after_s
+            or self._queue.closed
+        )
+
+    def _take_group(self, wait_s: float) -> list[Batch]:
+        first = self._queue.get(wait_s)
+        if first is None:
+            return []
+        group = [first]
+        linger_until = time.monotonic() + self._options.linger_s
+        while len(group) < self._options.max_group:
+            more = self._queue.get(max(0.0, linger_until - time.monotonic()))
+            if more is None:
+                break
+            group.append(more)
+        return group
+
+    def _accept(self, group: list[Batch]) -> None:
+        if time.monotonic() > self._deadline:
+            for batch in group:
+                _resolve(batch, error=ProcessingFailed("the checker stopped before taking this request"))
+            return
+        if self._store.stale and not self._recover():
+            self._refuse_all(group, "the checker's state store is failing")
+            return
+        assert self._journal is not None
+        converted: list[tuple[Batch, list[Action | Malformed], list[Malformed], NewEntry]] = []
+        seq = self._seq
+        for batch in group:
+            try:
+                result = self._converter.convert(batch.request, batch.origin, seq)
+            except Exception as exc:  # one bad request must not stop the others
+                log.error("converting a request of %d spans failed: %s", batch.span_count, type(exc).__name__,
+                          exc_info=log.isEnabledFor(logging.DEBUG))
+                # Not retryable: the same request would fail the same way. Said in the partial success.
+                _resolve(batch, Ack(batch.span_count, "internal error while converting these spans; see the "
+                                    "checker's log"))
+                continue
+            undecoded = [Malformed(message=p, origin=batch.origin, source="span") for p in batch.decode_problems]
+            items: list[Action | Malformed] = [*result.actions, *result.rejected, *undecoded]
+            sessions = frozenset(i.session_id for i in items if i.session_id)
+            entry = NewEntry(batch.request.SerializeToString(), batch.protocol, batch.origin, batch.received_ns,
+                             seq, list(batch.decode_problems), sessions)
+            seq += len(result.actions)
+            converted.append((batch, items, result.rejected, entry))
+        next_seq = seq
+
+        def admit(entry: NewEntry) -> StateError | None:
+            return self._store.admit(entry.session_ids)
+
+        def save_seq() -> None:
+            # The seq counter goes with the entries that used it: a replay converts with the same numbers.
+            self._store.meta_put(_SEQ_KEY, str(next_seq))
+
+        try:
+            outcome = self._journal.append([c[3] for c in converted], admit, also=[save_seq])
+        except StateError as exc:
+            self._last_failure = time.monotonic()
+            log.error("journaling %d request(s) failed; the senders are asked to retry: %s", len(group), exc)
+            self._refuse_all(group, f"the checker's state store failed: {exc}")
+            self._store.stale = False  # nothing of the engine was touched: no rebuild needed
+            return
+        self._seq = next_seq
+        self.stats.groups += 1
+        for (batch, items, rejected, entry), entry_id in zip(converted, outcome, strict=True):
+            if isinstance(entry_id, StateError):
+                self.stats.refused += 1
+                self._telemetry.spans_rejected.labels(batch.protocol, "unavailable").inc(batch.span_count)
+                _resolve(batch, error=ProcessingFailed(str(entry_id)))
+                continue
+            self.stats.journaled += 1
+            unconvertible = rejected_span_count(rejected, batch.decode_problems)
+            if unconvertible:
+                self._telemetry.spans_rejected.labels(batch.protocol, "unconvertible").inc(unconvertible)
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending.append(_Work(entry_id, len(entry.body), items, batch.request))
+            _resolve(batch, Ack(unconvertible, partial_success_message(rejected, batch.decode_problems)))
+            self.processed_spans += batch.span_count
+        if self._store.takeover_pending():
+            # Their state and timers as their last owner committed them (nothing of this replica is pending).
+            try:
+                self._store.reset()
+                self._rebuild("sessions moved to this replica")
+            except StateError as exc:
+                self._failed("loading sessions moved to this replica", exc)
+
+    def _refuse_all(self, group: Sequence[Batch], message: str) -> None:
+        for batch in group:
+            if batch.ack.done():
+                continue
+            self.stats.refused += 1
+            self._telemetry.spans_rejected.labels(batch.protocol, "unavailable").inc(batch.span_count)
+            _resolve(batch, error=ProcessingFailed(message))
+
+    # -- 3, 4: evaluate, record, deliver -------------------------------------------------------
+
+    def _evaluate_some(self) -> None:
+        assert self._journal is not None
+        chunk = [self._pending[i] for i in range(min(self._options.max_evaluate, len(self._pending)))]
+        fresh: list[tuple[int, Violation]] = []
+        found: list[list[Violation]] = []
+        try:
+            with self._store.unit():
+                for work in chunk:
+                    found.append(self._evaluate(work))
+                self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
+                self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
+                self._dispatcher.confirmations_in_unit()
+        except StateError as exc:
+            self._failed("committing evaluated requests", exc)
+            if isinstance(exc, SessionOwnedElsewhere) and exc.moved:
+                self._hand_off(exc.moved)
+            return
+        for _ in chunk:
+            self._pending.popleft()
+        self._pending_since = time.monotonic()
+        self.stats.evaluated += len(chunk)
+        self._succeeded()
+        self._dispatcher.hand_over(fresh)
+        if self._hold is not None:
+            now = time.monotonic()
+            for work, violations in zip(chunk, found, strict=True):
+                self._hold.note(violations)
+                if work.request is not None:
+                    self._hold.add(work.request, now)
+
+    def _hand_off(self, moved: dict[str, str]) -> None:
+        """Requests for sessions another replica took over (this one stalled past its lease) go to that replica."""
+        by_owner: dict[str, list[int]] = {}
+        for work in self._pending:
+            items = work.items if work.items is not None else self._read_back(work)
+            work.items = items
+            owners = {moved[i.session_id] for i in items if i.session_id in moved}
+            if owners:
+                by_owner.setdefault(min(owners), []).append(work.entry_id)
+        try:
+            for owner, ids in by_owner.items():
+                self._store.move_journal_entries(ids, owner)
+        except StateError as exc:
+            log.error("handing requests over to the sessions' new owner failed: %s", exc)
+            return
+        handed = {entry_id for ids in by_owner.values() for entry_id in ids}
+        self._pending = collections.deque(w for w in self._pending if w.entry_id not in handed)
+        if self._journal is not None:
+            self._journal.refresh()
+        log.warning("%d request(s) handed over to the replica that now owns their sessions", len(handed))
+
+    def _evaluate(self, work: _Work) -> list[Violation]:
+        items = work.items if work.items is not None else self._read_back(work)
+        if not items:
+            return []
+        try:
+            return self._pipeline.evaluate(items)
+        except StateError:
+            raise
+        except Exception as exc:  # one bad request must not stop the checker; it is done (not retried forever)
+            log.error("evaluating a journaled request failed: %s", type(exc).__name__,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            return []
+
+    def _read_back(self, work: _Work) -> list[Action | Malformed]:
+        entry = work.entry
+        if entry is None:
+            return []
+        try:
+            request = parse_protobuf(entry.body)
+        except RequestDecodeError:
+            log.error("a journaled request could not be read back; it is skipped")
+            return []
+        work.request = None  # forwarded already (before the stop) or never: not again
+        result = self._converter.convert(request, entry.origin, entry.seq_base)
+        undecoded = [Malformed(message=p, origin=entry.origin, source="span") for p in entry.problems]
+        return [*result.actions, *result.rejected, *undecoded]
+
+    def _tick(self) -> None:
+        self._ticks += 1
+        if self._store.stale and not self._recover():
+            return
+        now = time.monotonic()
+        if now - self._last_maintain >= self._options.maintain_interval_s:
+            self._last_maintain = now
+            try:
+                if self._store.maintain():
+                    self._recover("work adopted from a replica that stopped")
+                    self._dispatcher.resume()
+            except StateError as exc:
+                self._failed("renewing this replica's lease", exc)
+                return
+        # Deadlines must see every accepted span: what is journaled is evaluated before the clock moves.
+        for _ in range(8):
+            if not self._pending or time.monotonic() < self._broken_until:
+                break
+            self._evaluate_some()
+        if self._pending:
+            return
+        fresh: list[tuple[int, Violation]] = []
+        try:
+            with self._store.unit():
+                violations = self._pipeline.engine.tick(time.time_ns())
+                self._outbox.add_in_unit(violations, fresh.extend)
+                self._dispatcher.confirmations_in_unit()
+                if self._ticks % _PRUNE_EVERY_TICKS == 0:
+                    self._outbox.prune_in_unit()
+        except StateError as exc:
+            self._failed("committing fired deadlines", exc)
+            return
+        self._succeeded()
+        self._dispatcher.hand_over(fresh)
+        self._dispatcher.redeliver_overdue()
+        if self._hold is not None:
+            self._hold.note(v for _, v in fresh)
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def _failed(self, what: str, exc: StateError) -> None:
+        self._last_failure = time.monotonic()
+        self._backoff_s = min(_MAX_BACKOFF_S, max(0.05, self._backoff_s * 2))
+        self._broken_until = time.monotonic() + self._backoff_s
+        log.error("%s failed; retrying in %.2fs: %s", what, self._backoff_s, exc)
+        self._recover()
+
+    def _succeeded(self) -> None:
+        if self._backoff_s:
+            log.info("the state store accepts writes again")
+        self._backoff_s = 0.0
+        self._broken_until = 0.0
+
+    def _recover(self, why: str = "a failed commit") -> bool:
+        """Back to the last committed state: reload timers, rebuild the engine, re-read the journal."""
+        try:
+            self._store.reset()
+            self._rebuild(why)
+            self._reload_journal()
+            self.stats.recoveries += 1
+            return True
+        except StateError as exc:
+            self._store.stale = True
+            log.error("the state store cannot be read back yet: %s", exc)
+            return False
+
+    def _rebuild(self, why: str) -> None:
+        log.info("rebuilding the engine from the state store (%s)", why)
+        self._pipeline.engine = self._engine_factory(self._store)
+        if self._journal is not None:
+            self._journal.refresh()
+
+
+def _resolve(batch: Batch, ack: Ack | None = None, error: Exception | None = None) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is not None:
+            batch.ack.set_exception(error)
+        else:
+            batch.ack.set_result(ack if ack is not None else Ack())
+
+
+def engine_factory(
+    ruleset: RuleSet, options: EngineOptions, telemetry: Telemetry | None
+) -> Callable[[StateStore], Engine]:
+    """Builds the engine again on the store (after a failed commit or an adoption), with the rules loaded once."""
+    from processor.evaluate.engine import Engine
+
+    def build(store: StateStore) -> Engine:
+        return Engine(ruleset, options, store, telemetry)
+
+    return build

@@ -1,0 +1,435 @@
+"""What the SQLite and PostgreSQL stores share: the tables, plain-data conversion, and units of work.
+
+The engine hands a store its changed sessions, timers and engine-wide state at the
+end of every batch and calls ``commit()``. A durable store keeps those changes pending
+in memory and writes them in one transaction. Timers are answered from an in-memory
+index (a :class:`~processor.state.memory.MemoryStore` used only for its timer heap)
+loaded at open, because the engine asks for the next due timer once per record.
+
+**Units of work.** Serve wants more than the engine's state in one transaction: the
+inbox journal entries that produced it are marked done, and the violations found go
+into the outbox, so that a crash either keeps all of it or none. Inside
+``with store.unit():`` the engine's ``commit()`` only stages its changes; operations
+added with :meth:`SqlStateStore.in_unit` run in the same transaction when the unit
+ends. Outside a unit ``commit()`` writes at once, as the interface says.
+
+**After a failed write** (disk full, lost connection, a session taken by another
+replica) the transaction is rolled back, but the engine's live objects are already
+ahead of the database. :attr:`SqlStateStore.stale` is then true; the owner calls
+:meth:`reset` and builds a new engine on the store, which loads the last committed
+state. The inbox journal still holds the requests whose effects were lost, and they
+are evaluated again.
+
+Every statement is written with ``?`` placeholders; the PostgreSQL store rewrites them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Final
+
+import orjson
+
+from processor.errors import StateError
+from processor.state.base import EngineStateLike, StateStore, TimerEntry
+from processor.state.memory import MemoryStore
+from processor.state.session import GroupKey, RuleSchema, SessionState, group_key_from_plain, group_key_to_plain
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION: Final = 1
+
+# Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
+TABLES: Final = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS engine (replica_id TEXT PRIMARY KEY, body {BLOB} NOT NULL)",
+    # The reordering buffer, one row per span: a commit writes the spans that came and deletes
+    # those released, instead of the whole buffer (seconds of traffic) every time.
+    "CREATE TABLE IF NOT EXISTS engine_buffer ("
+    " replica_id TEXT NOT NULL, arrival {INT} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (replica_id, arrival))",
+    "CREATE TABLE IF NOT EXISTS sessions ("
+    " session_id TEXT PRIMARY KEY, touched {INT} NOT NULL, body {BLOB} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS timers ("
+    " session_id TEXT NOT NULL, rule_id TEXT NOT NULL, grp TEXT NOT NULL, due_ns {INT} NOT NULL,"
+    " PRIMARY KEY (session_id, rule_id, grp))",
+    # The inbox journal: requests accepted (acknowledged) and not yet evaluated.
+    "CREATE TABLE IF NOT EXISTS journal ("
+    " id {SERIAL}, replica_id TEXT NOT NULL, kind TEXT NOT NULL, protocol TEXT NOT NULL,"
+    " origin TEXT NOT NULL, received_ns {INT} NOT NULL, seq_base {INT} NOT NULL,"
+    " problems TEXT NOT NULL, size {INT} NOT NULL, body {BLOB} NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS journal_by_replica ON journal (replica_id, id)",
+    # The transactional outbox: every violation found, once, and per exporter what is still to deliver.
+    "CREATE TABLE IF NOT EXISTS outbox ("
+    " seq {SERIAL}, violation_id TEXT NOT NULL UNIQUE, replica_id TEXT NOT NULL,"
+    " session_id TEXT NOT NULL, created_ns {INT} NOT NULL, body {BLOB} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS outbox_pending ("
+    " exporter TEXT NOT NULL, seq {INT} NOT NULL, PRIMARY KEY (exporter, seq))",
+    "CREATE INDEX IF NOT EXISTS outbox_pending_by_seq ON outbox_pending (seq)",
+    "CREATE INDEX IF NOT EXISTS outbox_by_replica ON outbox (replica_id, seq)",
+)
+
+_TimerId = tuple[str, str, GroupKey]
+UnitOp = Callable[[], None]
+
+
+def dumps(value: Any) -> bytes:
+    """Plain state as bytes; values a rule kept that JSON cannot hold become their text."""
+    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+
+
+def group_text(group: GroupKey) -> str:
+    return dumps(group_key_to_plain(group)).decode()
+
+
+class SqlStateStore(StateStore):
+    """A StateStore on a SQL database; subclasses provide the connection and the dialect."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self._timer_index = MemoryStore()
+        # Live objects until the write: converted once per transaction, not once per engine batch.
+        self._pending_sessions: dict[str, SessionState | None] = {}
+        self._schema: RuleSchema | None = None
+        self._pending_timers: dict[_TimerId, int | None] = {}
+        self._pending_engine: EngineStateLike | None = None
+        # Arrival numbers of the buffered spans the database holds.
+        self._stored_arrivals: set[int] = set()
+        self._deferring = False
+        self._unit_ops: list[UnitOp] = []
+        self._unit_after: list[UnitOp] = []
+        self._touched = itertools.count(1)
+        self.stale = False
+
+    # -- the dialect and the connection ---------------------------------------------------
+
+    @abstractmethod
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """Run one statement; returns a cursor (``fetchall()``, ``rowcount``). Driver errors propagate."""
+
+    @abstractmethod
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Run one statement for each row."""
+
+    @abstractmethod
+    def begin(self) -> None:
+        """Start a write transaction."""
+
+    @abstractmethod
+    def commit_transaction(self) -> None:
+        """Make the transaction durable."""
+
+    @abstractmethod
+    def rollback(self) -> None:
+        """Abandon the transaction; never raises."""
+
+    @abstractmethod
+    def translate(self, exc: Exception) -> StateError | None:
+        """The StateError for a driver error, or None when ``exc`` is not one."""
+
+    def owned_sessions_clause(self) -> tuple[str, tuple[Any, ...]]:
+        """A WHERE condition on ``session_id`` selecting the sessions this store loads (all, for one replica)."""
+        return "1 = 1", ()
+
+    def before_state_write(self, saved: Sequence[str], deleted: Sequence[str]) -> None:
+        """Runs first in every write transaction (ownership checks of a shared store)."""
+
+    def admit(self, session_ids: frozenset[str]) -> StateError | None:
+        """Inside the journal transaction, before a request is journaled: may this replica take it?
+
+        A shared store claims the sessions here and refuses a request for a session
+        another live replica holds. One replica owns everything: always yes.
+        """
+        return None
+
+    def takeover_pending(self) -> bool:
+        """True when sessions were claimed whose state this replica does not hold: rebuild the engine."""
+        return False
+
+    def maintain(self) -> bool:
+        """Periodic upkeep (a shared store renews its lease and adopts dead replicas' work).
+
+        True when the engine must be rebuilt because this replica now owns more.
+        """
+        return False
+
+    # -- transactions ----------------------------------------------------------------------
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """Rows of a read (outside or inside a transaction); StateError on failure."""
+        try:
+            return list(self.execute(sql, params).fetchall())
+        except Exception as exc:
+            translated = self.translate(exc)
+            if translated is None:
+                raise
+            raise translated from None
+
+    def write(self, ops: Sequence[UnitOp] = ()) -> None:
+        """One transaction: the pending engine changes, then ``ops``. StateError on failure (rolled back)."""
+        sessions = self._pending_sessions
+        timers = self._pending_timers
+        engine = self._pending_engine
+        self._pending_sessions = {}
+        self._pending_timers = {}
+        self._pending_engine = None
+        try:
+            self.begin()
+            self.before_state_write(
+                [sid for sid, body in sessions.items() if body is not None],
+                [sid for sid, body in sessions.items() if body is None],
+            )
+            arrivals = self._write_state(sessions, timers, engine)
+            for op in ops:
+                op()
+            self.commit_transaction()
+            if arrivals is not None:
+                self._stored_arrivals = arrivals
+        except StateError:
+            self.rollback()
+            self.stale = True
+            raise
+        except Exception as exc:
+            self.rollback()
+            translated = self.translate(exc)
+            if translated is None:
+                raise
+            self.stale = True
+            raise translated from None
+
+    def _write_state(self, sessions: dict[str, SessionState | None], timers: dict[_TimerId, int | None],
+                     engine: EngineStateLike | None) -> set[int] | None:
+        """Write the pending changes; returns the buffered arrivals the database holds once committed."""
+        deleted = [(sid,) for sid, body in sessions.items() if body is None]
+        if deleted:
+            self.executemany("DELETE FROM sessions WHERE session_id = ?", deleted)
+            self.executemany("DELETE FROM timers WHERE session_id = ?", deleted)
+        schema = self._schema
+        saved = [
+            (sid, next(self._touched), dumps(live.to_plain(schema)))
+            for sid, live in sessions.items() if live is not None and schema is not None
+        ]
+        if saved:
+            self.executemany(
+                "INSERT INTO sessions (session_id, touched, body) VALUES (?, ?, ?)"
+                " ON CONFLICT (session_id) DO UPDATE SET touched = excluded.touched, body = excluded.body",
+                saved,
+            )
+        removed = [(sid, rule, group_text(group)) for (sid, rule, group), due in timers.items() if due is None]
+        if removed:
+            self.executemany("DELETE FROM timers WHERE session_id = ? AND rule_id = ? AND grp = ?", removed)
+        put = [(sid, rule, group_text(group), due) for (sid, rule, group), due in timers.items() if due is not None]
+        if put:
+            self.executemany(
+                "INSERT INTO timers (session_id, rule_id, grp, due_ns) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (session_id, rule_id, grp) DO UPDATE SET due_ns = excluded.due_ns",
+                put,
+            )
+        return self._write_engine(engine) if engine is not None else None
+
+    def _write_engine(self, engine: EngineStateLike) -> set[int] | None:
+        from processor.evaluate.engine import EngineState
+
+        if isinstance(engine, EngineState):
+            head, arrivals, added = _split_engine_state(engine, self._stored_arrivals)
+            gone = self._stored_arrivals - arrivals
+            if gone:
+                self.executemany("DELETE FROM engine_buffer WHERE replica_id = ? AND arrival = ?",
+                                 [(self.replica_id, a) for a in gone])
+            if added:
+                self.executemany("INSERT INTO engine_buffer (replica_id, arrival, body) VALUES (?, ?, ?)",
+                                 [(self.replica_id, a, dumps(plain)) for a, plain in added])
+            body = dumps(head)
+        else:
+            arrivals = None
+            body = dumps(engine.to_plain())
+        self.execute(
+            "INSERT INTO engine (replica_id, body) VALUES (?, ?)"
+            " ON CONFLICT (replica_id) DO UPDATE SET body = excluded.body",
+            (self.replica_id, body),
+        )
+        return arrivals
+
+    @contextlib.contextmanager
+    def unit(self) -> Iterator[None]:
+        """Everything the engine commits inside, and every :meth:`in_unit` op, in one transaction at the end."""
+        if self._deferring:
+            raise RuntimeError("units of work do not nest")
+        self._deferring = True
+        self._unit_ops = []
+        self._unit_after = []
+        try:
+            yield
+        except BaseException:
+            self._deferring = False
+            self._unit_ops = []
+            self._unit_after = []
+            self._drop_pending()
+            raise
+        self._deferring = False
+        ops, self._unit_ops = self._unit_ops, []
+        after, self._unit_after = self._unit_after, []
+        self.write(ops)
+        for callback in after:
+            callback()
+
+    def in_unit(self, op: UnitOp, after: UnitOp | None = None) -> None:
+        """Run ``op`` (statements through :meth:`execute`) inside the current unit's transaction,
+        and ``after`` once that transaction is committed."""
+        if not self._deferring:
+            raise RuntimeError("in_unit needs an open unit of work")
+        self._unit_ops.append(op)
+        if after is not None:
+            self._unit_after.append(after)
+
+    def _drop_pending(self) -> None:
+        self._pending_sessions = {}
+        self._pending_timers = {}
+        self._pending_engine = None
+        self.stale = True
+
+    def reset(self) -> None:
+        """Forget what was not committed and reload the timer index; then build a new engine on the store."""
+        self._pending_sessions = {}
+        self._pending_timers = {}
+        self._pending_engine = None
+        self._load_timers()
+        self.stale = False
+
+    def _load_timers(self) -> None:
+        index = MemoryStore()
+        clause, params = self.owned_sessions_clause()
+        # The clause is a constant of the store class; values are parameters.
+        statement = f"SELECT session_id, rule_id, grp, due_ns FROM timers WHERE {clause}"  # noqa: S608
+        for session_id, rule_id, grp, due in self.query(statement, params):
+            group = group_key_from_plain(orjson.loads(grp))
+            index.put_timer(TimerEntry(int(due), str(session_id), str(rule_id), group))
+        self._timer_index = index
+        self._stored_arrivals = {
+            int(r[0]) for r in self.query("SELECT arrival FROM engine_buffer WHERE replica_id = ?", (self.replica_id,))
+        }
+        top = self.query("SELECT max(touched) FROM sessions")
+        start = int(top[0][0]) + 1 if top and top[0][0] is not None else 1
+        self._touched = itertools.count(start)
+
+    # -- StateStore ------------------------------------------------------------------------
+
+    def load_engine(self) -> dict[str, Any] | EngineStateLike | None:
+        return self.engine_plain(self.replica_id)
+
+    def engine_plain(self, replica_id: str) -> dict[str, Any] | None:
+        """A replica's engine-wide state as plain data, its reordering buffer put back together."""
+        rows = self.query("SELECT body FROM engine WHERE replica_id = ?", (replica_id,))
+        buffered = self.query("SELECT body FROM engine_buffer WHERE replica_id = ? ORDER BY arrival", (replica_id,))
+        if not rows and not buffered:
+            return None
+        if rows:
+            loaded: dict[str, Any] = orjson.loads(bytes(rows[0][0]))
+        else:
+            # Spans adopted from a stopped replica before this one ever committed its own state.
+            from processor.evaluate.engine import EngineState
+
+            loaded = EngineState().to_plain()
+        loaded["buffer"] = [*loaded.get("buffer", ()), *(orjson.loads(bytes(r[0])) for r in buffered)]
+        return loaded
+
+    def save_engine(self, state: EngineStateLike) -> None:
+        self._pending_engine = state
+
+    def load_sessions(self, schema: RuleSchema) -> Iterator[SessionState]:
+        clause, params = self.owned_sessions_clause()
+        statement = f"SELECT session_id, body FROM sessions WHERE {clause} ORDER BY touched"  # noqa: S608
+        rows = self.query(statement, params)
+        skipped = 0
+        for _, body in rows:
+            try:
+                yield SessionState.from_plain(schema, orjson.loads(bytes(body)))
+            except (ValueError, KeyError, TypeError, IndexError):
+                # One unreadable session must not keep every other from starting (ids are not logged).
+                skipped += 1
+        if skipped:
+            log.error("%d session(s) could not be restored from the state store", skipped)
+
+    def save_session(self, session: SessionState, schema: RuleSchema) -> None:
+        self._schema = schema
+        self._pending_sessions[session.session_id] = session
+
+    def delete_session(self, session_id: str) -> None:
+        self._pending_sessions[session_id] = None
+        self._timer_index.delete_session(session_id)
+        for timer_id in [t for t in self._pending_timers if t[0] == session_id]:
+            del self._pending_timers[timer_id]
+
+    def put_timer(self, entry: TimerEntry) -> None:
+        self._timer_index.put_timer(entry)
+        self._pending_timers[(entry.session_id, entry.rule_id, entry.group)] = entry.due_ns
+
+    def remove_timer(self, session_id: str, rule_id: str, group: GroupKey) -> None:
+        self._timer_index.remove_timer(session_id, rule_id, group)
+        self._pending_timers[(session_id, rule_id, group)] = None
+
+    def next_due(self) -> int | None:
+        return self._timer_index.next_due()
+
+    def pop_due(self, until_ns: int) -> list[TimerEntry]:
+        popped = self._timer_index.pop_due(until_ns)
+        for entry in popped:
+            self._pending_timers[(entry.session_id, entry.rule_id, entry.group)] = None
+        return popped
+
+    def timer_count(self) -> int:
+        return self._timer_index.timer_count()
+
+    def commit(self) -> None:
+        if self._deferring:
+            return  # the unit writes it, together with the journal and the outbox
+        self.write()
+
+    def move_journal_entries(self, entry_ids: Sequence[int], owner: str) -> None:
+        """Give journaled requests to the replica that now owns their sessions (own transaction)."""
+        if not entry_ids:
+            return
+        rows = [(owner, entry_id, self.replica_id) for entry_id in entry_ids]
+        statement = "UPDATE journal SET replica_id = ? WHERE id = ? AND replica_id = ?"
+        self.write([lambda: self.executemany(statement, rows)])
+
+    # -- small key-value metadata ------------------------------------------------------------
+
+    def meta_get(self, key: str) -> str | None:
+        rows = self.query("SELECT value FROM meta WHERE key = ?", (key,))
+        return str(rows[0][0]) if rows else None
+
+    def meta_put(self, key: str, value: str) -> None:
+        """Inside a transaction (a unit op or ``write``)."""
+        self.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
+
+
+def _split_engine_state(
+    state: Any, stored: set[int]
+) -> tuple[dict[str, Any], set[int], list[tuple[int, dict[str, Any]]]]:
+    """The engine-wide state without its buffer, the arrivals buffered now, and the plain form of the
+    spans buffered since the last write (only those are converted)."""
+    from processor.evaluate.engine import EngineState
+
+    buffer = state.buffer
+    state.buffer = []
+    try:
+        head: dict[str, Any] = state.to_plain()
+    finally:
+        state.buffer = buffer
+    arrivals = {item.arrival for item in buffer}
+    fresh = [item for item in buffer if item.arrival not in stored]
+    added: list[tuple[int, dict[str, Any]]] = []
+    if fresh:
+        # EngineState.to_plain is the one conversion of a buffered span; use it on the new ones only.
+        carrier = EngineState()
+        carrier.buffer = fresh
+        for plain in carrier.to_plain()["buffer"]:
+            added.append((int(plain["arrival"]), plain))
+    return head, arrivals, added

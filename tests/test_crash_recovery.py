@@ -1,0 +1,231 @@
+"""``serve`` killed with SIGKILL at random points while agents stream sessions into it, restarted on the
+same state: the violations are those of an uninterrupted run, none missing, none written twice.
+
+Both runs are real ``python -m processor.cli serve`` processes fed by a client that
+retries like an OTLP exporter (UNAVAILABLE and lost connections, with backoff). The
+kill points come from a seeded RNG, so a failure can be replayed. The killed run also
+alerts a real Alertmanager, which must end up holding every violation. With
+PostgreSQL, two replicas share the state; one is killed and the other finishes its
+sessions, with the result of a single replica.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.durable_support import (
+    RetryingSender,
+    ServeProcess,
+    send_sessions,
+    serve_settings,
+    workload,
+    write_config,
+)
+from tests.pg_support import fresh_database, pg_server
+from tests.serve_support import read_jsonl
+from tests.servers import alertmanager_server, free_port, wait_until
+
+__all__ = ["pg_server"]  # the fixture, used by name
+
+SESSIONS = 24
+STEPS = 12
+# Long enough for the one-second waits of the workload to fire from the clock after the last span.
+SETTLE_S = 3.0
+
+
+def _run(
+    workdir: Path, state: dict[str, Any], kills: int, seed: int, alertmanager: str = ""
+) -> tuple[list[dict[str, Any]], ServeProcess]:
+    """One serve process (restarted after each kill) fed the workload; returns the JSONL documents."""
+    workdir.mkdir(parents=True)
+    port = free_port()
+    jsonl = workdir / "violations.jsonl"
+    settings = serve_settings(workdir, port, state, jsonl)
+    if alertmanager:
+        settings["exporters"]["alertmanager"] = {"url": alertmanager}
+    config = write_config(workdir / "serve.yaml", settings)
+    serve = ServeProcess(config, port, workdir / "serve.log")
+    requests = workload(seed, SESSIONS, STEPS, time.time_ns())
+    serve.start()
+    serve.wait_ready()
+    sender = RetryingSender(lambda: port, give_up_s=90.0)
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            send_sessions(sender, requests, workers=4, pause_s=0.15)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    sending = threading.Thread(target=send)
+    sending.start()
+    rng = random.Random(seed)
+    try:
+        for _ in range(kills):
+            time.sleep(rng.uniform(0.2, 0.9))
+            if not sending.is_alive():
+                break
+            serve.kill()
+            time.sleep(rng.uniform(0.0, 0.4))
+            serve.start()
+            serve.wait_ready()
+        sending.join(180.0)
+        assert not sending.is_alive(), "the client did not finish"
+        assert not errors, f"the client gave up: {errors[0]!r}\n{serve.log()}"
+        time.sleep(SETTLE_S)
+    finally:
+        code = serve.stop()
+    assert code == 0, serve.log()
+    return read_jsonl(jsonl), serve
+
+
+def _ids(documents: list[dict[str, Any]]) -> list[str]:
+    return [str(d["violation_id"]) for d in documents]
+
+
+def _assert_same(found: list[dict[str, Any]], expected: list[dict[str, Any]], log: str) -> None:
+    twice = [vid for vid, n in Counter(_ids(found)).items() if n > 1]
+    assert not twice, f"{len(twice)} violation(s) written twice"
+    missing = set(_ids(expected)) - set(_ids(found))
+    extra = set(_ids(found)) - set(_ids(expected))
+    assert not missing and not extra, (
+        f"missing {len(missing)} ({Counter(d['rule'] for d in expected if d['violation_id'] in missing)}), "
+        f"extra {len(extra)} ({Counter(d['rule'] for d in found if d['violation_id'] in extra)})\n{log}"
+    )
+
+
+def test_sigkill_at_random_points_loses_nothing_and_repeats_nothing(tmp_path: Path) -> None:
+    state = {"backend": "sqlite"}
+    expected, _ = _run(tmp_path / "uninterrupted", {**state, "path": str(tmp_path / "u.db")}, kills=0, seed=11)
+    assert {d["rule"] for d in expected} >= {"DS002", "DS107", "DS110"}, "the workload must exercise the rules"
+    with alertmanager_server(tmp_path / "alertmanager") as am:
+        found, serve = _run(tmp_path / "killed", {**state, "path": str(tmp_path / "k.db")}, kills=4, seed=11,
+                            alertmanager=am.url)
+        assert serve.kills >= 2, "the kills must land while the client is sending"
+        _assert_same(found, expected, serve.log())
+        # Alertmanager keys alerts by their labels (violation_id among them): a resent alert is the
+        # same alert, so what counts there is that none is missing.
+        alerted = wait_until(lambda: _alerted_ids(am.url) >= set(_ids(expected)) and _alerted_ids(am.url),
+                             timeout_s=15.0, what="every violation alerted")
+        assert alerted == set(_ids(expected))
+
+
+def _alerted_ids(url: str) -> set[str]:
+    response = httpx.get(f"{url}/api/v2/alerts", params={"active": "true"}, timeout=5)
+    response.raise_for_status()
+    return {a["labels"]["violation_id"] for a in response.json() if "violation_id" in a["labels"]}
+
+
+def _pg_state(url: str, replica: str) -> dict[str, Any]:
+    return {"backend": "postgres", "postgres": {"dsn": url, "replica_id": replica, "lease_ttl": "2s"}}
+
+
+def _send_routed(requests: dict[str, list[bytes]], port_for: Any, pause_s: float) -> RetryingSender:
+    """Each session's requests in order, to the port ``port_for(session)`` names at the time of sending."""
+    senders: dict[str, RetryingSender] = {}
+    for session in requests:
+        senders[session] = RetryingSender(lambda s=session: port_for(s), give_up_s=90.0)
+    names = sorted(requests)
+    errors: list[BaseException] = []
+
+    def run(mine: list[str]) -> None:
+        try:
+            for index in range(STEPS):
+                for name in mine:
+                    senders[name].send(requests[name][index])
+                time.sleep(pause_s)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(names[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180.0)
+    assert not errors, f"the client gave up: {errors[0]!r}"
+    total = RetryingSender(lambda: 0)
+    total.retries = sum(s.retries for s in senders.values())
+    return total
+
+
+def test_two_replicas_on_postgres_one_killed_the_other_finishes_its_sessions(tmp_path: Path, pg_server: str) -> None:
+    import psycopg
+
+    seed = 23
+    # The reference: one replica, never interrupted.
+    single = tmp_path / "single"
+    single.mkdir()
+    port = free_port()
+    config = write_config(single / "serve.yaml",
+                          serve_settings(single, port, _pg_state(fresh_database(pg_server), "solo"),
+                                         single / "violations.jsonl"))
+    solo = ServeProcess(config, port, single / "serve.log")
+    solo.start()
+    solo.wait_ready()
+    try:
+        _send_routed(workload(seed, SESSIONS, STEPS, time.time_ns()), lambda _: port, 0.1)
+        time.sleep(SETTLE_S)
+    finally:
+        assert solo.stop() == 0, solo.log()
+    expected = read_jsonl(single / "violations.jsonl")
+    assert {d["rule"] for d in expected} >= {"DS002", "DS107", "DS110"}
+
+    url = fresh_database(pg_server)
+    replicas: dict[str, ServeProcess] = {}
+    for name in ("r1", "r2"):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        replica_port = free_port()
+        path = write_config(workdir / "serve.yaml",
+                            serve_settings(workdir, replica_port, _pg_state(url, name), workdir / "violations.jsonl"))
+        replicas[name] = ServeProcess(path, replica_port, workdir / "serve.log")
+        replicas[name].start()
+    for replica in replicas.values():
+        replica.wait_ready()
+    alive = {"r1": True}
+
+    def port_for(session: str) -> int:
+        # What the Collector's load-balancing exporter does: a stable choice per session,
+        # and every session to the survivor once r1 is gone.
+        if alive["r1"] and sum(session.encode()) % 2 == 0:
+            return replicas["r1"].grpc_port
+        return replicas["r2"].grpc_port
+
+    def kill_r1() -> None:
+        time.sleep(1.2)
+        replicas["r1"].kill()
+        alive["r1"] = False
+
+    killer = threading.Thread(target=kill_r1)
+    killer.start()
+    try:
+        _send_routed(workload(seed, SESSIONS, STEPS, time.time_ns()), port_for, 0.25)
+        killer.join(30.0)
+        assert replicas["r1"].kills == 1, "r1 must die while sessions are in flight"
+        # r2 adopts r1's work once r1's lease (2s) has expired, then the waits fire.
+        time.sleep(2.0 + 1.0 + SETTLE_S)
+    finally:
+        replicas["r1"].kill()
+        assert replicas["r2"].stop() == 0, replicas["r2"].log()
+    files = {name: read_jsonl(tmp_path / name / "violations.jsonl") for name in replicas}
+    for name, documents in files.items():
+        ids = _ids(documents)
+        assert len(ids) == len(set(ids)), f"{name} wrote a violation twice"
+    union = [d for documents in files.values() for d in documents]
+    unique = list({d["violation_id"]: d for d in union}.values())
+    _assert_same(unique, expected, replicas["r2"].log())
+    assert files["r1"], "r1 must have found some violations before it died"
+    with psycopg.connect(url) as conn:
+        recorded = conn.execute("SELECT count(*) FROM outbox").fetchone()
+        undelivered = conn.execute("SELECT count(*) FROM outbox_pending").fetchone()
+        owners = conn.execute("SELECT DISTINCT replica_id FROM session_owner").fetchall()
+    assert recorded is not None and recorded[0] == len(expected), "each violation is recorded once"
+    assert undelivered is not None and undelivered[0] == 0, "every violation was delivered"
+    assert owners == [("r2",)], "the survivor owns every session"

@@ -1,0 +1,115 @@
+"""The PostgreSQL store: sessions owned by one replica at a time, moved with their state when a lease
+expires, and the work of a replica that died adopted by another. A real server, started by the tests."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from processor.evaluate.engine import Engine, EngineOptions
+from processor.state.faults import SessionOwnedElsewhere, StateUnavailable
+from processor.state.journal import Journal, NewEntry
+from processor.state.outbox import Outbox
+from processor.state.postgres import PostgresStore, redact
+from processor.violations import Violation
+from tests._engine_util import Spans, fired, shipped
+from tests.pg_support import fresh_database, pg_server
+
+__all__ = ["pg_server"]  # the fixture, used by name
+
+TTL_S = 0.6
+
+
+def _store(url: str, replica: str) -> PostgresStore:
+    return PostgresStore(url, replica_id=replica, lease_ttl_s=TTL_S)
+
+
+def _claim(store: PostgresStore, *sessions: str) -> list[int | object]:
+    """Journal one request touching ``sessions``, claiming them as serve does."""
+    journal = Journal(store)
+    return list(journal.append([NewEntry(b"req", "grpc", "o", 1, 0, session_ids=frozenset(sessions))],
+                               lambda e: store.admit(e.session_ids)))
+
+
+def test_the_password_never_appears_in_messages() -> None:
+    assert redact("postgresql://checker:s3cret@db.internal:5433/state") == "db.internal:5433/state"
+
+
+def test_a_session_is_evaluated_by_one_replica_and_moves_with_its_state(pg_server: str) -> None:
+    url = fresh_database(pg_server)
+    spans = Spans()
+    one, two = _store(url, "r1"), _store(url, "r2")
+    assert isinstance(_claim(one, "s1")[0], int)
+    engine_one = Engine(shipped(), EngineOptions(), one)
+    # A wait opens on r1 and is committed with r1's claim on s1.
+    engine_one.submit_many([spans(1.0, "s1", workflow_state="awaiting_approval", wait_timeout_s=3, action_id="w1"),
+                            spans(7.0, "s1")])
+    assert one.timer_count() == 1
+    refused = _claim(two, "s1")[0]
+    assert isinstance(refused, SessionOwnedElsewhere)
+    time.sleep(TTL_S + 0.3)
+    # r1's lease expired: r2 takes s1 over and loads its state, timer included.
+    assert isinstance(_claim(two, "s1")[0], int)
+    assert two.takeover_pending()
+    two.reset()
+    engine_two = Engine(shipped(), EngineOptions(), two)
+    assert two.timer_count() == 1
+    found = engine_two.submit_many([spans(30.0, "s2")]) + engine_two.finish()
+    assert ("DS107", "s1", "w1") in fired(found)
+    # r1 still holds s1 in memory; its next write of s1 is refused, naming who has it now.
+    with pytest.raises(SessionOwnedElsewhere) as caught:
+        engine_one.submit_many([spans(8.0, "s1")])
+    assert caught.value.moved == {"s1": "r2"}
+    assert one.stale
+    one.close()
+    two.close()
+
+
+def test_a_dead_replicas_accepted_work_is_adopted(pg_server: str) -> None:
+    url = fresh_database(pg_server)
+    spans = Spans()
+    dead, alive = _store(url, "r1"), _store(url, "r2")
+    dead.maintain()
+    alive.maintain()
+    journal = Journal(dead)
+    assert isinstance(_claim(dead, "s1")[0], int)
+    engine = Engine(shipped(), EngineOptions(), dead)
+    # Held in r1's reordering buffer (within the allowed lateness), acknowledged, not yet evaluated.
+    engine.submit_many([spans(1.0, "s1", kind="payment", action_id="p1")])
+    outbox = Outbox(dead, ["jsonl"])
+    violation = Violation(rule="DS002", name="n", severity="critical", session_id="s1", action_id="x",
+                          message="m", violation_id="f" * 32)
+    with dead.unit():
+        outbox.add_in_unit([violation], lambda rows: None)
+    assert len(journal.pending()) == 1
+    dead.close()  # r1 dies: no more heartbeats
+    time.sleep(TTL_S + 0.3)
+    assert alive.maintain()
+    alive.reset()
+    assert len(Journal(alive).pending()) == 1
+    # The span r1 held for ordering joins r2's reordering buffer as it was (not as a redelivery).
+    engine_state = alive.load_engine()
+    assert isinstance(engine_state, dict)
+    assert [b["action"]["record"]["action_id"] for b in engine_state["buffer"]] == ["p1"]
+    assert [v.violation_id for _, v in Outbox(alive, ["jsonl"]).pending("jsonl")] == ["f" * 32]
+    adopted = Engine(shipped(), EngineOptions(), alive)
+    assert [s.session_id for s in alive.load_sessions(adopted.schema)] == ["s1"]
+    # Released at the end of the input: the payment r1 acknowledged is evaluated, once.
+    assert ("DS002", "s1", "p1") in fired(adopted.finish())
+    alive.close()
+
+
+def test_lost_connection_is_retryable_and_reconnects(pg_server: str) -> None:
+    url = fresh_database(pg_server)
+    store = _store(url, "r1")
+    journal = Journal(store)
+    victim = store.query("SELECT pg_backend_pid()")[0][0]
+    killer = _store(url, "killer")
+    killer.query("SELECT pg_terminate_backend(?)", (victim,))
+    with pytest.raises(StateUnavailable) as caught:
+        journal.append([NewEntry(b"r", "grpc", "o", 1, 0)])
+    assert "lost the connection" in str(caught.value)
+    assert all(isinstance(i, int) for i in journal.append([NewEntry(b"r", "grpc", "o", 1, 0)]))
+    store.close()
+    killer.close()

@@ -1,0 +1,272 @@
+"""The SQLite store: the engine's state, the inbox journal and the outbox survive a restart, together."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from processor.evaluate.engine import Engine, EngineOptions
+from processor.records import Action
+from processor.state.faults import JournalFull
+from processor.state.journal import Journal, NewEntry
+from processor.state.memory import MemoryStore
+from processor.state.outbox import Dispatcher, Outbox, violation_from_bytes, violation_to_bytes
+from processor.state.sqlite import SqliteStore
+from processor.violations import Violation
+from tests._engine_util import Spans, fired, shipped
+
+
+def _mixed_items(seed: int, count: int = 400, sessions: int = 20) -> list[Action]:
+    """Spans of many sessions that open and resolve waits, sequences and counts, slightly out of order."""
+    rng = random.Random(seed)
+    spans = Spans()
+    out: list[Action] = []
+    t = 0.0
+    for i in range(count):
+        session = f"s{rng.randrange(sessions)}"
+        t += rng.random()
+        roll = rng.random()
+        at = t - rng.random() * 0.5  # a little disorder for the reordering buffer
+        if roll < 0.2:
+            out.append(spans(at, session, kind="payment", action_id=f"p{i}"))
+        elif roll < 0.35:
+            out.append(spans(at, session, workflow_state="awaiting_approval", wait_timeout_s=3, action_id=f"w{i}"))
+        elif roll < 0.5:
+            out.append(spans(at, session, kind="checkpoint"))
+        elif roll < 0.6:
+            out.append(spans(at, session, status="error", attempts=3, max_attempts=3, action_id=f"e{i}"))
+        else:
+            out.append(spans(at, session))
+    return out
+
+
+def _uninterrupted(items: list[Action]) -> list[Violation]:
+    engine = Engine(shipped(), EngineOptions(), MemoryStore())
+    found = engine.submit_many(items)
+    return found + engine.finish()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_restarts_between_batches_find_exactly_what_one_run_finds(tmp_path: Path, seed: int) -> None:
+    items = _mixed_items(seed)
+    expected = _uninterrupted(items)
+    assert {v.rule for v in expected} >= {"DS107", "DS110"}, "the workload must exercise timers and sequences"
+    rng = random.Random(seed)
+    cuts = [*sorted(rng.sample(range(1, len(items)), 5)), len(items)]
+    found: list[Violation] = []
+    start = 0
+    for cut in cuts:
+        # A new process each time: a new connection, a new engine rebuilt from the file.
+        store = SqliteStore(tmp_path / "state.db")
+        engine = Engine(shipped(), EngineOptions(), store)
+        chunk = items[start:cut]
+        for i in range(0, len(chunk), 7):
+            found += engine.submit_many(chunk[i:i + 7])
+        if cut == len(items):
+            found += engine.finish()
+        store.close()
+        start = cut
+    assert fired(found) == fired(expected)
+    assert len(found) == len(expected)
+
+
+def test_uncommitted_batch_is_invisible_after_restart(tmp_path: Path) -> None:
+    spans = Spans()
+    store = SqliteStore(tmp_path / "state.db")
+    engine = Engine(shipped(), EngineOptions(), store)
+    # The later span moves the watermark past the wait (released) but not past its deadline.
+    engine.submit_many([spans(1.0, "s1", workflow_state="awaiting_approval", wait_timeout_s=3, action_id="w1"),
+                        spans(7.0, "s1")])
+    assert store.timer_count() == 1
+    with pytest.raises(RuntimeError), store.unit():
+        engine.submit_many([spans(2.5, "s2", workflow_state="awaiting_approval", wait_timeout_s=3),
+                            spans(7.5, "s2")])
+        assert store.timer_count() == 2
+        raise RuntimeError("the process dies before the unit commits")
+    store.close()
+    again = SqliteStore(tmp_path / "state.db")
+    restored = Engine(shipped(), EngineOptions(), again)
+    assert again.timer_count() == 1
+    assert [s.session_id for s in again.load_sessions(restored.schema)] == ["s1"]
+    # The wait of s1 fires from the restored timer at the end of the input.
+    found = restored.submit_many([spans(10.0, "s3")]) + restored.finish()
+    assert ("DS107", "s1", "w1") in fired(found)
+    again.close()
+
+
+def _violation(n: int, session: str = "s1") -> Violation:
+    return Violation(rule="DS002", name="no-idempotency-key", severity="critical", session_id=session,
+                     action_id=f"a{n}", message=f"message {n}", violation_id=f"{n:032x}", time_ns=n,
+                     tags=("x", "y"), details={"n": n})
+
+
+def test_violation_round_trips_through_outbox_bytes() -> None:
+    violation = _violation(7)
+    assert violation_from_bytes(violation_to_bytes(violation)) == violation
+
+
+def test_journal_outbox_and_state_commit_in_one_transaction(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    journal = Journal(store)
+    outbox = Outbox(store, ["jsonl", "webhook"])
+    ids = journal.append([NewEntry(b"request-1", "grpc", "otlp-grpc", 1, 0), NewEntry(b"request-2", "grpc", "o", 2, 1)])
+    assert all(isinstance(i, int) for i in ids)
+    entries = journal.pending()
+    assert [e.body for e in entries] == [b"request-1", b"request-2"]
+    recorded: list[tuple[int, Violation]] = []
+    with pytest.raises(RuntimeError), store.unit():
+        journal.done_in_unit([(entries[0].id, entries[0].size)])
+        outbox.add_in_unit([_violation(1)], recorded.extend)
+        raise RuntimeError("crash before commit")
+    assert recorded == []
+    assert len(journal.pending()) == 2 and outbox.recorded_ids() == set()
+    with store.unit():
+        journal.done_in_unit([(entries[0].id, entries[0].size)])
+        outbox.add_in_unit([_violation(1)], recorded.extend)
+    assert [v.violation_id for _, v in recorded] == [_violation(1).violation_id]
+    store.close()
+    reopened = SqliteStore(tmp_path / "state.db")
+    assert [e.body for e in Journal(reopened).pending()] == [b"request-2"]
+    again = Outbox(reopened, ["jsonl", "webhook"])
+    assert [v.violation_id for _, v in again.pending("jsonl")] == [_violation(1).violation_id]
+    assert [v.violation_id for _, v in again.pending("webhook")] == [_violation(1).violation_id]
+    reopened.close()
+
+
+def test_outbox_records_a_violation_once_and_forgets_delivered_rows_per_exporter(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    outbox = Outbox(store, ["jsonl", "alertmanager"])
+    first: list[tuple[int, Violation]] = []
+    second: list[tuple[int, Violation]] = []
+    with store.unit():
+        outbox.add_in_unit([_violation(1), _violation(2)], first.extend)
+    with store.unit():
+        # Found again (a re-evaluation): never recorded, nor delivered, again.
+        outbox.add_in_unit([_violation(2), _violation(3)], second.extend)
+    assert [v.action_id for _, v in first] == ["a1", "a2"]
+    assert [v.action_id for _, v in second] == ["a3"]
+    with store.unit():
+        outbox.delivered_in_unit("jsonl", [seq for seq, _ in first])
+    assert [v.action_id for _, v in outbox.pending("jsonl")] == ["a3"]
+    assert [v.action_id for _, v in outbox.pending("alertmanager")] == ["a1", "a2", "a3"]
+    store.close()
+
+
+class _ConfirmingExporter:
+    """An exporter that confirms only what its test says was delivered."""
+
+    name = "confirming"
+
+    def __init__(self) -> None:
+        self.exported: list[str] = []
+        self.listeners: list[object] = []
+
+    def add_delivery_listener(self, callback: object) -> None:
+        self.listeners.append(callback)
+
+    def export(self, violations: list[Violation]) -> None:
+        self.exported.extend(v.violation_id for v in violations)
+
+
+def test_dispatcher_deletes_pending_rows_only_when_the_exporter_confirms(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    exporter = _ConfirmingExporter()
+    outbox = Outbox(store, [exporter.name])
+    dispatcher = Dispatcher(outbox, [exporter])
+    fresh: list[tuple[int, Violation]] = []
+    with store.unit():
+        outbox.add_in_unit([_violation(1), _violation(2)], fresh.extend)
+    dispatcher.hand_over(fresh)
+    assert exporter.exported == [_violation(1).violation_id, _violation(2).violation_id]
+    confirm = exporter.listeners[0]
+    assert callable(confirm)
+    confirm([_violation(1).violation_id])
+    with store.unit():
+        assert dispatcher.confirmations_in_unit() == 1
+    assert [v.action_id for _, v in outbox.pending(exporter.name)] == ["a2"]
+    # A restart hands over what was never confirmed, and only that.
+    exporter.exported.clear()
+    assert Dispatcher(outbox, [exporter]).resume() == 1
+    assert exporter.exported == [_violation(2).violation_id]
+    store.close()
+
+
+def test_journal_is_bounded_and_refuses_with_a_retryable_error(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    journal = Journal(store, max_bytes=1000)
+    outcome = journal.append([NewEntry(b"x" * 600, "grpc", "o", 1, 0), NewEntry(b"y" * 600, "grpc", "o", 2, 0)])
+    assert isinstance(outcome[0], int)
+    assert isinstance(outcome[1], JournalFull)
+    assert "1000" in str(outcome[1])
+    with store.unit():
+        journal.done_in_unit([(e.id, e.size) for e in journal.pending()])
+    assert journal.pending_bytes == 0
+    assert all(isinstance(o, int) for o in journal.append([NewEntry(b"y" * 600, "grpc", "o", 2, 0)]))
+    store.close()
+
+
+def test_store_uses_wal_and_full_sync_by_default(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    store.close()
+    conn = sqlite3.connect(tmp_path / "state.db")
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+    store = SqliteStore(tmp_path / "state.db")
+    assert store.query("PRAGMA synchronous")[0][0] == 2  # FULL
+    store.close()
+
+
+def test_requests_acknowledged_but_not_evaluated_before_a_crash_are_evaluated_at_start(tmp_path: Path) -> None:
+    """The crash window between the journal commit (the acknowledgement) and the state commit."""
+    import time
+
+    from tests.durable_support import durable_server, memory_run_ids, workload
+    from tests.serve_support import read_jsonl, serve_config
+
+    requests = workload(3, sessions=6, steps=6, start_ns=time.time_ns())
+    (tmp_path / "ref").mkdir()
+    settings = {"evaluate": {"allowed_lateness": "200ms"}}
+    expected = memory_run_ids(serve_config(tmp_path / "ref", settings), requests, 2.5)
+    # What the worker had journaled (and so acknowledged) when the process died.
+    store = SqliteStore(tmp_path / "state.db")
+    journal = Journal(store)
+    ordered = [body for step in range(6) for name in sorted(requests) for body in requests[name][step:step + 1]]
+    assert all(isinstance(i, int) for i in journal.append(
+        [NewEntry(body, "grpc", "otlp-grpc", time.time_ns(), 0) for body in ordered]))
+    config = serve_config(tmp_path, {**settings, "state": {"backend": "sqlite", "path": str(tmp_path / "state.db")}})
+    with durable_server(config, store):
+        time.sleep(2.5)
+    found = [d["violation_id"] for d in read_jsonl(tmp_path / "violations.jsonl")]
+    assert sorted(found) == sorted(expected)
+    reopened = SqliteStore(tmp_path / "state.db")
+    assert Journal(reopened).pending() == []
+    reopened.close()
+
+
+def test_retry_queue_tells_delivery_listeners_only_after_delivery() -> None:
+    """What an exporter needs to confirm outbox rows: the keys of each batch its endpoint accepted."""
+    import threading
+
+    from exporters.base import RetryPolicy, RetryQueue, SendResult
+    from processor.telemetry import Telemetry
+
+    attempts: list[list[str]] = []
+    delivered: list[list[str]] = []
+    done = threading.Event()
+
+    def send(items: list[str]) -> SendResult:
+        attempts.append(list(items))
+        # The endpoint fails the first attempt: nothing may be confirmed for it.
+        return SendResult.retry("503") if len(attempts) == 1 else SendResult.success()
+
+    queue: RetryQueue[str] = RetryQueue("test", Telemetry(), send, lambda item: item, max_queue=10, batch_size=10,
+                                        policy=RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02))
+    queue.add_delivery_listener(lambda keys: (delivered.append(keys), done.set()))
+    queue.put(["a", "b"])
+    assert done.wait(5.0)
+    queue.shutdown(1.0)
+    assert attempts == [["a", "b"], ["a", "b"]]
+    assert delivered == [["a", "b"]]

@@ -80,7 +80,7 @@ class MessageTemplate:
 
     source: str
     parts: tuple[str | CompiledExpression, ...]
-    max_value_chars: int = 120
+    max_value_chars: int = 300
 
     def render(self, activation: Mapping[str, Any]) -> str:
         """The message for one violation; a hole that cannot be evaluated renders as ``?``."""

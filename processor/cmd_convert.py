@@ -7,8 +7,9 @@ be checked by either tool.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -34,7 +35,19 @@ def run(args: argparse.Namespace) -> int:
     from processor.receive.files import read_input
 
     converter = make_converter(args.config)
-    out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")  # noqa: SIM115
+    out: BinaryIO
+    if args.output != "-":
+        for path in args.inputs:
+            if _same_file(path, args.output):
+                sys.stderr.write(f"durable-check: {args.output}: is also an input; write the records somewhere else\n")
+                return 2
+        try:
+            out = open(args.output, "wb")  # noqa: SIM115 - closed in the finally below
+        except OSError as exc:
+            sys.stderr.write(f"durable-check: cannot write {args.output}: {exc.strerror or exc}\n")
+            return 2
+    else:
+        out = sys.stdout.buffer
     unreadable = 0
     written = 0
     skipped = 0
@@ -59,3 +72,10 @@ def run(args: argparse.Namespace) -> int:
             out.flush()
     sys.stderr.write(f"{written} record(s) written, {skipped} skipped\n")
     return 2 if unreadable else 0
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Writing the output would truncate this input before it is read."""
+    if a == "-" or not (os.path.exists(a) and os.path.exists(b)):
+        return False
+    return os.path.samefile(a, b)

@@ -19,10 +19,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import yaml
-
 from exporters.config import ExportersConfig
-from processor.configfmt import ByteSize, Duration, check_endpoint, check_url, decode, expand_env
+from processor.configfmt import (
+    ByteSize,
+    Duration,
+    YamlProblem,
+    check_endpoint,
+    check_url,
+    decode,
+    expand_env,
+    load_yaml_strict,
+)
 from processor.convert.options import ConvertOptions, ToolKindRule
 from processor.errors import ConfigError, Problem
 
@@ -361,14 +368,9 @@ def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> C
 def parse_config(text: str, where: str, environ: Mapping[str, str] | None = None) -> Config:
     """Decode YAML ``text`` (read from ``where``, named in messages)."""
     try:
-        raw = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
-        raise ConfigError([Problem(place, f"invalid YAML: {exc.problem or exc.context}")],
-                          "invalid configuration") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([Problem(where, f"invalid YAML: {exc}")], "invalid configuration") from None
+        raw = load_yaml_strict(text, where)
+    except YamlProblem as exc:
+        raise ConfigError([Problem(exc.where, exc.message)], "invalid configuration") from None
     if raw is None:
         raw = {}
     problems: list[Problem] = []

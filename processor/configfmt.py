@@ -12,14 +12,17 @@ Values may reference the environment as the Collector does: ``${env:VAR}`` or
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
-import collections.abc
 from collections.abc import Mapping
 from typing import Any, Literal, NewType, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
 
 from processor.errors import Problem
 
@@ -38,6 +41,11 @@ _SIZE = re.compile(r"(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?", re.IGNORECASE)
 _SIZE_UNITS = {
     "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3,
 }
+# Longest duration a setting may take: ten years, far inside the 64-bit nanosecond range.
+MAX_DURATION_S = 10 * 366 * 86400.0
+# A configuration file is small; anything larger is a mistake or an attack.
+MAX_CONFIG_BYTES = 1024 * 1024
+
 _ENV_REF = re.compile(r"\$\$|\$\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -220,8 +228,8 @@ def _decode_value(tp: Any, raw: Any, path: str, problems: list[Problem]) -> Any:
         else:
             problems.append(Problem(path, f"must be a duration such as 5s or 7d, got {_type_name(raw)}"))
             return _MISSING
-        if seconds < 0:
-            problems.append(Problem(path, "must not be negative"))
+        if not 0 <= seconds <= MAX_DURATION_S:  # also refuses nan and infinities
+            problems.append(Problem(path, "must be a duration from 0 to 3660d"))
             return _MISSING
         return Duration(seconds)
     if tp is ByteSize:
@@ -254,6 +262,9 @@ def _decode_value(tp: Any, raw: Any, path: str, problems: list[Problem]) -> Any:
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             problems.append(Problem(path, f"must be a number, got {_type_name(raw)}"))
             return _MISSING
+        if not math.isfinite(raw):
+            problems.append(Problem(path, "must be a finite number"))
+            return _MISSING
         return float(raw)
     if tp is str:
         if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
@@ -282,3 +293,64 @@ def check_url(value: str, path: str) -> list[Problem]:
     if not re.match(r"^https?://[^/\s]+", value):
         return [Problem(path, f"must be an http:// or https:// URL, got {value!r}")]
     return []
+
+
+class _StrictConfigLoader(yaml.SafeLoader):
+    """YAML for configuration: no aliases, no duplicate keys, booleans only as true/false.
+
+    ``yes``/``no``/``on``/``off`` stay strings (then a type error names the path), so
+    YAML 1.1's surprises never turn a value into a boolean behind the user's back.
+    """
+
+
+_StrictConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _no_duplicate_keys(loader: _StrictConfigLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _value in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            first = seen[key].start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (first at line {first.line + 1})", key_node.start_mark
+            )
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictConfigLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
+
+
+class YamlProblem(ValueError):
+    """A configuration document that cannot be read, at ``where`` (``file:line:col``)."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(f"{where}: {message}")
+        self.where = where
+        self.message = message
+
+
+def load_yaml_strict(text: str, where: str) -> Any:
+    """Parse a configuration document; raises YamlProblem naming ``where:line:col``."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_CONFIG_BYTES:
+        raise YamlProblem(where, f"larger than {MAX_CONFIG_BYTES // 1024} KiB; a configuration is never that big")
+    try:
+        for event in yaml.parse(text, Loader=_StrictConfigLoader):
+            if isinstance(event, yaml.AliasEvent):
+                mark = event.start_mark
+                place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+                raise YamlProblem(place, "YAML aliases are not allowed in a configuration")
+        return yaml.load(text, Loader=_StrictConfigLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        place = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+        raise YamlProblem(place, f"invalid YAML: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise YamlProblem(where, f"invalid YAML: {exc}") from None

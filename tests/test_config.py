@@ -159,3 +159,29 @@ def test_forward_grpc_endpoint_may_be_a_url() -> None:
     assert [str(p) for p in caught.value.problems] == [
         "forward.endpoint: must be host:port, got 'collector.internal'"
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "message"),
+    [
+        ("a: &x [1, 2]\nb: *x\n", ":2:4", "YAML aliases are not allowed in a configuration"),
+        ("evaluate:\n  strict: false\n  strict: true\n", ":3:3", "key 'strict' is given twice (first at line 2)"),
+    ],
+)
+def test_configuration_yaml_is_strict(text: str, where: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "cfg.yaml")
+    [problem] = info.value.problems
+    assert problem.where == "cfg.yaml" + where
+    assert message in problem.message
+
+
+def test_yes_is_not_a_boolean_and_durations_are_bounded() -> None:
+    text = "evaluate:\n  strict: yes\n  allowed_lateness: .inf\n  session_idle_timeout: 100000w\n"
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "cfg.yaml")
+    assert [str(p) for p in info.value.problems] == [
+        "evaluate.strict: must be true or false, got a string",
+        "evaluate.allowed_lateness: must be a duration from 0 to 3660d",
+        "evaluate.session_idle_timeout: must be a duration from 0 to 3660d",
+    ]

@@ -17,6 +17,9 @@ forgotten (counted as dropped): Alertmanager then ends it by itself at its ``end
 A send is retried with capped backoff up to ``max_attempts``; an active alert whose
 send failed that many times is tried again at its next re-send, a resolution whose
 send failed is given up (Alertmanager ends the alert at its ``endsAt`` anyway).
+
+Delivery listeners are told the violation ids of every chunk Alertmanager accepted;
+serve's outbox counts a violation delivered to Alertmanager only then.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -100,6 +103,8 @@ class _Alert:
     last_sent: float | None = None
     # Wall clock: when it was resolved (its endsAt), None while active.
     resolved_at: float | None = None
+    # Alertmanager accepted it at least once (last_sent is also set after giving up, to pace retries).
+    delivered: bool = False
 
     def payload(self, now: float, ends_in: float) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -134,6 +139,7 @@ class AlertmanagerExporter:
         self._stopping = False
         self._abandoned = threading.Event()
         self._failures = FailureLog(self.name)
+        self._listeners: list[Callable[[Sequence[str]], None]] = []
         init_exporter_metrics(telemetry, self.name)
         self._thread = threading.Thread(target=self._run, name="exporter-alertmanager", daemon=True)
         self._update_depth()
@@ -151,6 +157,7 @@ class AlertmanagerExporter:
     def _add(self, violations: Sequence[Violation]) -> None:
         now_wall, now = time.time(), time.monotonic()
         evicted = 0
+        known: list[str] = []
         with self._cond:
             if self._stopping:
                 return
@@ -162,6 +169,8 @@ class AlertmanagerExporter:
                     if alert.resolved_at is not None:
                         alert.resolved_at = None
                         alert.last_sent = None
+                    elif alert.delivered:
+                        known.append(v.violation_id)
                     continue
                 if len(self._alerts) >= self._max_active:
                     self._alerts.popitem(last=False)
@@ -177,6 +186,9 @@ class AlertmanagerExporter:
                 )
             self._update_depth()
             self._cond.notify()
+        if known:
+            # Handed over again (by serve's outbox) but already active in Alertmanager: confirm at once.
+            self._tell_delivered(known)
         if evicted:
             self._telemetry.exporter_dropped.labels(self.name).inc(evicted)
             log.warning("exporter alertmanager: %d active alerts at the bound, forgot the %d oldest",
@@ -195,6 +207,18 @@ class AlertmanagerExporter:
 
     def export_actions(self, actions: Sequence[Action]) -> None:
         """Actions do not alert."""
+
+    def add_delivery_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
+        """``listener(violation_ids)``, from the worker thread, after Alertmanager accepted a POST holding
+        their alerts (serve's outbox waits for it)."""
+        self._listeners.append(listener)
+
+    def _tell_delivered(self, violation_ids: list[str]) -> None:
+        for listener in self._listeners:
+            try:
+                listener(violation_ids)
+            except Exception:  # a listener's failure must not stop alerting
+                log.exception("exporter alertmanager: a delivery listener failed")
 
     def active_ids(self) -> list[str]:
         with self._cond:
@@ -291,6 +315,7 @@ class AlertmanagerExporter:
                 self._failures.succeeded()
                 self._telemetry.exporter_sent.labels(self.name).inc(len(chunk))
                 self._settle(chunk, sent_states, now, delivered=True)
+                self._tell_delivered([vid for vid, _ in chunk])
                 return True
             self._telemetry.exporter_failures.labels(self.name).inc()
             self._failures.failed(result.reason, attempt)
@@ -319,6 +344,7 @@ class AlertmanagerExporter:
                     dropped += 0 if delivered else 1
                 elif delivered:
                     alert.last_sent = now
+                    alert.delivered = True
                 elif permanent:
                     del self._alerts[vid]
                     dropped += 1

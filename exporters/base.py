@@ -10,6 +10,11 @@ already waited longest on a failing endpoint); every drop is counted in
 An item is identified by a key (the violation id): an item whose key is already queued,
 in flight, or was delivered recently is not queued again, so a violation exported twice
 (or again after an outage) is delivered once.
+
+Delivery listeners (``add_delivery_listener``) are told the keys of every delivered
+batch: serve's transactional outbox counts a violation delivered to an exporter only
+then, so a violation still waiting in this queue when the process dies is handed over
+again after the restart.
 """
 
 from __future__ import annotations
@@ -201,13 +206,18 @@ class RetryQueue(Generic[T]):
 
     def _put(self, items: Iterable[T]) -> None:
         dropped = 0
+        already_sent: list[str] = []
         with self._cond:
             if self._stopping:
                 dropped = sum(1 for _ in items)
             else:
                 for item in items:
                     k = self._key(item)
-                    if k in self._queued or k in self._in_flight or k in self._sent:
+                    if k in self._sent:
+                        # Delivered before: confirm it again (an outbox handing it over again waits for that).
+                        already_sent.append(k)
+                        continue
+                    if k in self._queued or k in self._in_flight:
                         continue
                     if len(self._queued) + len(self._in_flight) >= self._max_queue:
                         if self._queued:
@@ -221,6 +231,8 @@ class RetryQueue(Generic[T]):
                     self._queued[k] = item
                 self._update_depth()
                 self._cond.notify()
+        if already_sent:
+            self._tell_delivered(already_sent)
         if dropped:
             self._telemetry.exporter_dropped.labels(self.exporter).inc(dropped)
             self._log_overflow(dropped)
@@ -317,7 +329,8 @@ class RetryQueue(Generic[T]):
                 self._update_depth()
 
     def add_delivery_listener(self, listener: Callable[[list[str]], None]) -> None:
-        """``listener(keys)`` is called, from the worker thread, after each batch is delivered."""
+        """``listener(keys)`` is called, from the worker thread, after each batch is delivered, and from
+        ``put()``'s caller for keys put again that were delivered recently (``remember_sent``)."""
         self._delivery_listeners.append(listener)
 
     def _tell_delivered(self, keys: list[str]) -> None:

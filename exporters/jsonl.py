@@ -3,7 +3,9 @@
 Each line is ``Violation.to_json()`` plus ``time`` (RFC 3339). Writing a local file is
 synchronous: when ``export()`` returns the lines are in the file (and on disk, per the
 fsync policy). A failed write (disk full, permissions) is counted, logged and kept in
-a bounded retry queue; it never raises into the pipeline.
+a bounded retry queue; it never raises into the pipeline. Delivery listeners are told
+the ids once their lines are in the file, so serve's outbox keeps a violation whose
+write failed until a retry wrote it, across a crash too.
 
 A violation is written once: the ids written are remembered (the newest
 ``dedupe_ids`` of them), and on start they are read back from the file and its rotated
@@ -18,7 +20,7 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -203,6 +205,7 @@ class JsonlExporter:
             problem = Problem("exporters.jsonl.path", f"cannot read {cfg.path}: {describe_error(exc)}")
             raise ConfigError([problem]) from exc
         policy = RetryPolicy(cfg.max_attempts, 1.0, 30.0)
+        self._listeners: list[Callable[[Sequence[str]], None]] = []
         self._queue: RetryQueue[Violation] = RetryQueue(
             self.name, telemetry, self._write_queued, lambda v: v.violation_id,
             max_queue=cfg.max_queue, batch_size=_RETRY_BATCH, policy=policy,
@@ -247,6 +250,24 @@ class JsonlExporter:
         if len(self._written) > self._dedupe_ids:
             self._written.popitem(last=False)
 
+    def add_delivery_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
+        """``listener(violation_ids)`` once their lines are in the file (and synced, per ``fsync``),
+        including ids written before; retried writes tell it from the retry worker's thread."""
+        self._listeners.append(listener)
+        self._queue.add_delivery_listener(listener)
+
+    def _tell_written(self, violation_ids: list[str]) -> None:
+        for listener in self._listeners:
+            try:
+                listener(violation_ids)
+            except Exception:  # a listener's failure must not stop writing
+                log.exception("exporter jsonl: a delivery listener failed")
+
+    @property
+    def queue(self) -> RetryQueue[Violation]:
+        """Violations whose write failed, waiting for a retry."""
+        return self._queue
+
     def written_ids(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._written)
@@ -290,6 +311,8 @@ class JsonlExporter:
             written = self._write(violations)
             if written:
                 self._telemetry.exporter_sent.labels(self.name).inc(written)
+            # Every one of them is in the file now: just written, or skipped as written before.
+            self._tell_written([v.violation_id for v in violations])
         except OSError as exc:
             self._telemetry.exporter_failures.labels(self.name).inc()
             log.warning("exporter jsonl: write failed (%s); keeping %d violations for retry",

@@ -19,7 +19,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry
 from exporters.base import FailureLog, describe_error, init_exporter_metrics
 from exporters.config import OtlpMetricsConfig
 from exporters.otlp_transport import OtlpTransport
+from exporters.resource import resource_attributes
 from processor._version import __version__
 from processor.records import Action
 from processor.telemetry import Telemetry
@@ -132,8 +133,11 @@ def _histogram(family: Any, now_ns: int, default_start_ns: int) -> Metric:
 
 def registry_to_request(
     registry: CollectorRegistry, *, now_ns: int | None = None, start_ns: int = 0,
+    resource: Mapping[str, str] | None = None,
 ) -> ExportMetricsServiceRequest:
-    """Every metric of the registry as one OTLP request (metrics without samples are left out)."""
+    """Every metric of the registry as one OTLP request (metrics without samples are left out).
+
+    ``resource``: the resource attributes (``resource_attributes()`` unless given)."""
     now = now_ns if now_ns is not None else time.time_ns()
     metrics: list[Metric] = []
     for family in registry.collect():
@@ -149,9 +153,9 @@ def registry_to_request(
             metric = _histogram(family, now, start_ns)
             if metric.histogram.data_points:
                 metrics.append(metric)
-    resource = Resource(attributes=_attributes({"service.name": "durable-check", "service.version": __version__}))
+    attributes = dict(resource) if resource is not None else resource_attributes()
     return ExportMetricsServiceRequest(resource_metrics=[ResourceMetrics(
-        resource=resource,
+        resource=Resource(attributes=_attributes(attributes)),
         scope_metrics=[ScopeMetrics(scope=InstrumentationScope(name="durable-check", version=__version__),
                                     metrics=metrics)],
     )])
@@ -174,6 +178,7 @@ class OtlpMetricsExporter:
         self._telemetry = telemetry
         self._interval_s = float(cfg.interval)
         self._start_ns = time.time_ns()
+        self._resource = resource_attributes()
         self._transport = OtlpTransport(
             self.name, telemetry,
             endpoint=cfg.endpoint, protocol=cfg.protocol, insecure=cfg.insecure,
@@ -190,7 +195,8 @@ class OtlpMetricsExporter:
         """Collect and send once; True when the receiver took it."""
         with self._push_lock:
             try:
-                request = registry_to_request(self._telemetry.registry, start_ns=self._start_ns)
+                request = registry_to_request(self._telemetry.registry, start_ns=self._start_ns,
+                                              resource=self._resource)
                 result = self._transport.send(request, timeout_s)
             except Exception as exc:  # one failed push must not end the pushing
                 self._telemetry.exporter_failures.labels(self.name).inc()

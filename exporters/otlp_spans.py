@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
@@ -27,6 +27,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from exporters.base import RetryQueue, SendResult
 from exporters.config import OtlpConfig
 from exporters.otlp_transport import OtlpTransport
+from exporters.resource import resource_attributes
 from processor._version import __version__
 from processor.records import Action
 from processor.telemetry import Telemetry
@@ -96,14 +97,17 @@ def violation_span(violation: Violation, now_ns: int) -> Span:
     )
 
 
-def build_request(violations: Sequence[Violation], now_ns: int | None = None) -> ExportTraceServiceRequest:
-    """One resource (the checker itself) holding one span per violation."""
+def build_request(
+    violations: Sequence[Violation], now_ns: int | None = None, resource: Mapping[str, str] | None = None,
+) -> ExportTraceServiceRequest:
+    """One resource (the checker itself; ``resource_attributes()`` unless given) holding one span per violation."""
     now = now_ns if now_ns is not None else time.time_ns()
-    resource = Resource(attributes=[_attr("service.name", "durable-check"), _attr("service.version", __version__)])
+    attributes = resource if resource is not None else resource_attributes()
+    resource_message = Resource(attributes=[_attr(k, v) for k, v in sorted(attributes.items())])
     scope = InstrumentationScope(name=SCOPE_NAME, version=__version__)
     spans = [violation_span(v, now) for v in violations]
     return ExportTraceServiceRequest(
-        resource_spans=[ResourceSpans(resource=resource, scope_spans=[ScopeSpans(scope=scope, spans=spans)])]
+        resource_spans=[ResourceSpans(resource=resource_message, scope_spans=[ScopeSpans(scope=scope, spans=spans)])]
     )
 
 
@@ -112,6 +116,7 @@ class OtlpSpanExporter:
     wants_actions = False
 
     def __init__(self, cfg: OtlpConfig, telemetry: Telemetry) -> None:
+        self._resource = resource_attributes()
         self._transport = OtlpTransport(
             self.name, telemetry,
             endpoint=cfg.endpoint, protocol=cfg.protocol, insecure=cfg.insecure,
@@ -124,7 +129,7 @@ class OtlpSpanExporter:
         )
 
     def _send(self, violations: list[Violation]) -> SendResult:
-        return self._transport.send(build_request(violations))
+        return self._transport.send(build_request(violations, resource=self._resource))
 
     @property
     def queue(self) -> RetryQueue[Violation]:
@@ -132,6 +137,10 @@ class OtlpSpanExporter:
 
     def export(self, violations: Sequence[Violation]) -> None:
         self._queue.put(violations)
+
+    def add_delivery_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
+        """``listener(violation_ids)`` once the endpoint accepted them (serve's outbox waits for it)."""
+        self._queue.add_delivery_listener(listener)
 
     def resolve(self, violation_ids: Sequence[str]) -> None:
         """A span records that a violation happened; its clearing is not a span."""

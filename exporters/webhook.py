@@ -15,7 +15,7 @@ the batch is dropped and counted.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 import orjson
@@ -82,6 +82,10 @@ class WebhookExporter:
 
     def export(self, violations: Sequence[Violation]) -> None:
         self._queue.put(violations)
+
+    def add_delivery_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
+        """``listener(violation_ids)`` once the endpoint accepted them (serve's outbox waits for it)."""
+        self._queue.add_delivery_listener(listener)
 
     def resolve(self, violation_ids: Sequence[str]) -> None:
         """A webhook reports what was found; a cleared condition sends nothing."""

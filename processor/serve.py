@@ -387,6 +387,9 @@ class Server:
         logger.debug("shutdown: receivers stopped")
         await loop.run_in_executor(None, self.pipeline.shutdown, max(1.0, deadline - time.monotonic()))
         logger.debug("shutdown: exporters flushed")
+        if isinstance(self.worker, DurableWorker) and drained:
+            # What the exporters delivered while flushing is recorded, not handed over again at the next start.
+            self.worker.record_final_confirmations()
         if self.forwarder is not None:
             await loop.run_in_executor(None, self.forwarder.shutdown, max(1.0, deadline - time.monotonic()))
         if self.store is not None and drained:

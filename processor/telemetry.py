@@ -64,7 +64,21 @@ METRICS: tuple[MetricSpec, ...] = (
                "Items waiting in an exporter's retry queue.", ("exporter",)),
     MetricSpec("forward_dropped", "durable_check_forward_dropped", "counter",
                "Spans processor mode could not forward downstream (buffer overflow or retries exhausted)."),
+    # The durable state (state.backend sqlite or postgres).
+    MetricSpec("journal_depth", "durable_check_journal_depth", "gauge",
+               "Requests journaled (acknowledged) and not yet evaluated."),
+    MetricSpec("journal_bytes", "durable_check_journal_bytes", "gauge",
+               "Bytes of the requests in the journal; past state.journal_max_size new requests are refused."),
+    MetricSpec("outbox_pending", "durable_check_outbox_pending", "gauge",
+               "Violations recorded in the outbox whose delivery an exporter has not yet confirmed.",
+               ("exporter",)),
+    MetricSpec("state_failures", "durable_check_state_failures", "counter",
+               "Failed state store operations, by kind (locked, full, corrupt, read_only, connection, other).",
+               ("kind",)),
 )
+
+# The values of ``state_failures``' label (processor.state.runner.failure_kind).
+STATE_FAILURE_KINDS: tuple[str, ...] = ("locked", "full", "corrupt", "read_only", "connection", "other")
 
 
 class Telemetry:
@@ -87,6 +101,10 @@ class Telemetry:
     exporter_dropped: Counter
     exporter_queue_depth: Gauge
     forward_dropped: Counter
+    journal_depth: Gauge
+    journal_bytes: Gauge
+    outbox_pending: Gauge
+    state_failures: Counter
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)

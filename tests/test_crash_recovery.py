@@ -6,7 +6,10 @@ retries like an OTLP exporter (UNAVAILABLE and lost connections, with backoff). 
 kill points come from a seeded RNG, so a failure can be replayed. The killed run also
 alerts a real Alertmanager, which must end up holding every violation. With
 PostgreSQL, two replicas share the state; one is killed and the other finishes its
-sessions, with the result of a single replica.
+sessions, with the result of a single replica. And a violation still in an exporter's
+retry queue (a failing webhook, a failing JSONL write) when the process is killed is
+delivered once after the restart: the outbox counts it delivered only on the exporter's
+confirmation.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from tests.durable_support import (
 )
 from tests.pg_support import fresh_database, pg_server
 from tests.serve_support import read_jsonl
-from tests.servers import alertmanager_server, free_port, wait_until
+from tests.servers import HttpRecorder, Received, alertmanager_server, free_port, wait_until
 
 __all__ = ["pg_server"]  # the fixture, used by name
 
@@ -229,3 +232,119 @@ def test_two_replicas_on_postgres_one_killed_the_other_finishes_its_sessions(tmp
     assert recorded is not None and recorded[0] == len(expected), "each violation is recorded once"
     assert undelivered is not None and undelivered[0] == 0, "every violation was delivered"
     assert owners == [("r2",)], "the survivor owns every session"
+
+
+# -- violations still in an exporter's retry queue when the process dies -----------------------------------
+
+def _outbox(db: Path) -> tuple[set[str], dict[str, set[str]]]:
+    """Every violation id the outbox recorded, and per exporter the ids it has not confirmed (read-only)."""
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        recorded = {str(r[0]) for r in conn.execute("SELECT violation_id FROM outbox")}
+        pending: dict[str, set[str]] = {}
+        for exporter, violation_id in conn.execute(
+                "SELECT p.exporter, o.violation_id FROM outbox_pending p JOIN outbox o ON o.seq = p.seq"):
+            pending.setdefault(str(exporter), set()).add(str(violation_id))
+    finally:
+        conn.close()
+    return recorded, pending
+
+
+def _header(received: Received, name: str) -> str:
+    return next((v for k, v in received.headers.items() if k.lower() == name.lower()), "")
+
+
+def _posted_ids(received: Received) -> list[str]:
+    return [str(v["violation_id"]) for v in received.json()["violations"]]
+
+
+def test_violations_in_the_webhook_retry_queue_at_sigkill_are_delivered_once_after_restart(tmp_path: Path) -> None:
+    hook = HttpRecorder()
+    hook.mode = "503"  # the endpoint fails until after the crash
+    try:
+        port = free_port()
+        db = tmp_path / "state.db"
+        jsonl = tmp_path / "violations.jsonl"
+        settings = serve_settings(tmp_path, port, {"backend": "sqlite", "path": str(db)}, jsonl)
+        # Many quick attempts: the violations are still being retried when the process dies.
+        settings["exporters"]["webhook"] = {"url": f"{hook.url}/hook", "initial_backoff": "50ms",
+                                            "max_backoff": "200ms", "max_attempts": 10_000}
+        serve = ServeProcess(write_config(tmp_path / "serve.yaml", settings), port, tmp_path / "serve.log")
+        serve.start()
+        serve.wait_ready()
+        try:
+            send_sessions(RetryingSender(lambda: port), workload(31, 6, 5, time.time_ns()))
+            time.sleep(SETTLE_S)  # the waits fire from the clock
+            expected = set(_ids(read_jsonl(jsonl)))
+            assert expected, "the workload must find violations"
+
+            # The first is retried again and again; the others wait behind it in the exporter's queue.
+            wait_until(lambda: len(hook.snapshot()) >= 3, timeout_s=15.0, what="failed webhook attempts")
+            recorded, pending = _outbox(db)
+            assert recorded == expected
+            # JSONL confirmed its writes; the webhook confirmed nothing: its rows stay pending.
+            assert "jsonl" not in pending
+            assert pending.get("webhook") == expected
+            serve.kill()
+        finally:
+            serve.kill()
+        assert {r.status for r in hook.snapshot()} == {503}
+        tried_before = {vid for r in hook.snapshot() for vid in _posted_ids(r)}
+        hook.mode = "ok"
+        serve.start()
+        serve.wait_ready()
+        try:
+            wait_until(lambda: {vid for r in hook.snapshot() if r.status == 200 for vid in _posted_ids(r)} >= expected,
+                       timeout_s=20.0, what="every violation delivered after the restart")
+            # The outbox records the confirmations: nothing is handed over a third time.
+            wait_until(lambda: not _outbox(db)[1], timeout_s=10.0, what="the outbox confirmed")
+        finally:
+            assert serve.stop() == 0, serve.log()
+        delivered = Counter(vid for r in hook.snapshot() if r.status == 200 for vid in _posted_ids(r))
+        assert set(delivered) == expected
+        assert set(delivered.values()) == {1}, "each violation is delivered once"
+        for received in hook.snapshot():
+            # The violation id is the key, before and after the crash: a receiver can tell a repeat.
+            assert _posted_ids(received) == [_header(received, "Idempotency-Key")]
+        assert tried_before and tried_before <= set(delivered)
+        assert sorted(_ids(read_jsonl(jsonl))) == sorted(expected), "JSONL wrote each violation once"
+        assert _outbox(db) == (expected, {})
+    finally:
+        hook.stop()
+
+
+def test_violations_whose_jsonl_write_failed_at_sigkill_are_written_once_after_restart(tmp_path: Path) -> None:
+    port = free_port()
+    db = tmp_path / "state.db"
+    jsonl = tmp_path / "violations.jsonl"
+    # The file's place is taken by a directory: every write fails with a real OSError.
+    jsonl.mkdir()
+    settings = serve_settings(tmp_path, port, {"backend": "sqlite", "path": str(db)}, jsonl)
+    serve = ServeProcess(write_config(tmp_path / "serve.yaml", settings), port, tmp_path / "serve.log")
+    serve.start()
+    serve.wait_ready()
+    try:
+        send_sessions(RetryingSender(lambda: port), workload(37, 6, 5, time.time_ns()))
+        time.sleep(SETTLE_S)
+        wait_until(lambda: "exporter jsonl: write failed" in serve.log(), timeout_s=10.0,
+                   what="the failed write to be logged")
+        recorded, pending = _outbox(db)
+        assert recorded, "the workload must find violations"
+        assert pending == {"jsonl": recorded}, "nothing is confirmed while the write fails"
+        serve.kill()
+    finally:
+        serve.kill()
+    jsonl.rmdir()
+    serve.start()
+    serve.wait_ready()
+    try:
+        wait_until(lambda: set(_ids(read_jsonl(jsonl))) >= recorded, timeout_s=20.0,
+                   what="every violation written after the restart")
+        wait_until(lambda: not _outbox(db)[1], timeout_s=10.0, what="the outbox confirmed")
+    finally:
+        assert serve.stop() == 0, serve.log()
+    written = _ids(read_jsonl(jsonl))
+    assert sorted(written) == sorted(recorded), "each violation is written once"
+    assert _outbox(db) == (recorded, {})

@@ -181,3 +181,36 @@ def test_alerts_wait_out_an_outage() -> None:
     assert parse_time(resolution["endsAt"]) <= time.time()
     assert sample(telemetry, "durable_check_exporter_dropped_total") == 0
     assert sample(telemetry, "durable_check_exporter_queue_depth") == 0
+
+
+@pytest.mark.servers
+def test_delivery_is_confirmed_once_alertmanager_accepts_the_alert(alertmanager: str) -> None:
+    recorder = HttpRecorder()
+    recorder.mode = "503"
+    telemetry = Telemetry()
+    # The exporter first talks to a failing endpoint: nothing is confirmed.
+    failing = AlertmanagerExporter(AlertmanagerConfig(
+        url=recorder.url, initial_backoff=Duration(0.02), max_backoff=Duration(0.05), max_attempts=1000,
+    ), telemetry)
+    confirmed: list[list[str]] = []
+    failing.add_delivery_listener(lambda ids: confirmed.append(list(ids)))
+    violation = make_violation(7)
+    try:
+        failing.export([violation])
+        wait_until(lambda: len(recorder.snapshot()) >= 2, timeout_s=5, what="retried failures")
+        assert confirmed == []
+    finally:
+        failing.shutdown(1.0)
+        recorder.stop()
+    exporter = AlertmanagerExporter(AlertmanagerConfig(url=alertmanager, resend_interval=Duration(60)), telemetry)
+    exporter.add_delivery_listener(lambda ids: confirmed.append(list(ids)))
+    try:
+        exporter.export([violation])
+        wait_until(lambda: confirmed, timeout_s=10, what="the confirmation")
+        assert confirmed == [[violation.violation_id]]
+        assert violation.violation_id in am_alerts(alertmanager)
+        # Handed over again while active and delivered: confirmed at once.
+        exporter.export([violation])
+        assert confirmed == [[violation.violation_id], [violation.violation_id]]
+    finally:
+        exporter.shutdown(2.0)

@@ -298,3 +298,31 @@ def test_build_exporters_starts_each_configured_exporter(tmp_path: Path) -> None
     assert len(read_lines(tmp_path / "v.jsonl")) == 1
     assert len(receiver.spans()) == 1
     assert {r.path for r in recorder.snapshot()} == {"/api/v2/alerts", "/hook"}
+
+
+def test_delivery_is_confirmed_once_written_and_a_failed_write_only_after_its_retry(tmp_path: Path) -> None:
+    out = tmp_path / "v.jsonl"
+    exporter = JsonlExporter(JsonlConfig(path=str(out)), Telemetry())
+    confirmed: list[list[str]] = []
+    exporter.add_delivery_listener(lambda ids: confirmed.append(list(ids)))
+    first, second = make_violation(0), make_violation(1)
+    exporter.export([first])
+    assert confirmed == [[first.violation_id]]
+    assert [line["violation_id"] for line in read_lines(out)] == [first.violation_id]
+    # Written before: not written again, but confirmed (the outbox hands over what it did not see confirmed).
+    exporter.export([first])
+    assert confirmed[-1] == [first.violation_id]
+    assert len(read_lines(out)) == 1
+    exporter.shutdown()
+    blocked = tmp_path / "blocked.jsonl"
+    blocked.mkdir()  # the file's place is taken by a directory: every write fails
+    failing = JsonlExporter(JsonlConfig(path=str(blocked)), Telemetry())
+    confirmed.clear()
+    failing.add_delivery_listener(lambda ids: confirmed.append(list(ids)))
+    failing.export([second])
+    assert confirmed == [], "a failed write is not a delivery"
+    blocked.rmdir()
+    wait_until(lambda: confirmed, timeout_s=10, what="the retried write to be confirmed")
+    assert confirmed == [[second.violation_id]]
+    failing.shutdown()
+    assert [line["violation_id"] for line in read_lines(blocked)] == [second.violation_id]

@@ -17,6 +17,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from exporters import OtlpConfig, OtlpMetricsConfig, OtlpMetricsExporter, OtlpSpanExporter
 from exporters.otlp_spans import violation_span_ids
+from exporters.resource import ResourceAttributesError, parse_resource_attributes, resource_attributes
 from processor.configfmt import Duration
 from processor.telemetry import Telemetry
 from processor.violations import Violation
@@ -198,3 +199,62 @@ def test_metrics_push_over_http_on_shutdown(recorder: HttpRecorder, tmp_path: Pa
     assert received.path == "/v1/metrics"
     check_metrics(ExportMetricsServiceRequest.FromString(received.body))
     assert sample(telemetry, "durable_check_exporter_sent_total", {"exporter": "otlp_metrics"}) > 0
+
+
+def test_resource_attributes_follow_the_opentelemetry_environment_variables() -> None:
+    defaults = resource_attributes({})
+    assert defaults["service.name"] == "durable-check" and defaults["service.version"]
+    assert "service.instance.id" not in defaults
+    env = {"OTEL_RESOURCE_ATTRIBUTES": " service.instance.id=dc-1 , deployment.environment=prod%2Ceu ,team=a%3Db"}
+    assert resource_attributes(env) == {**defaults, "service.instance.id": "dc-1",
+                                        "deployment.environment": "prod,eu", "team": "a=b"}
+    # OTEL_SERVICE_NAME wins over a service.name in OTEL_RESOURCE_ATTRIBUTES.
+    env = {"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes", "OTEL_SERVICE_NAME": "checker-eu"}
+    assert resource_attributes(env)["service.name"] == "checker-eu"
+    assert resource_attributes({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes"})["service.name"] == (
+        "from-attributes")
+    # One malformed entry: the variable is ignored as a whole, the error names the entry by position.
+    assert resource_attributes({"OTEL_RESOURCE_ATTRIBUTES": "a=1,broken,b=2"}) == defaults
+    with pytest.raises(ResourceAttributesError, match="entry 2 is not key=value"):
+        parse_resource_attributes("a=1,broken")
+    with pytest.raises(ResourceAttributesError, match="entry 1 has an empty key"):
+        parse_resource_attributes("=1")
+    with pytest.raises(ResourceAttributesError, match="entry 1 is not valid percent-encoded UTF-8"):
+        parse_resource_attributes("a=%ff")
+
+
+def test_replicas_are_told_apart_by_their_resource(receiver: OtlpGrpcReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=durable-check-1,k8s.pod.name=durable-check-1")
+    spans = OtlpSpanExporter(OtlpConfig(endpoint=receiver.endpoint, insecure=True), Telemetry())
+    spans.export([make_violation(1)])
+    spans.shutdown(5.0)
+    metrics = OtlpMetricsExporter(
+        OtlpMetricsConfig(endpoint=receiver.endpoint, insecure=True, interval=Duration(3600)), pipeline_metrics())
+    metrics.shutdown(5.0)
+    expected = {"service.name": "durable-check", "service.instance.id": "durable-check-1",
+                "k8s.pod.name": "durable-check-1"}
+    for resource in (receiver.trace_requests[0].resource_spans[0].resource,
+                     receiver.metric_requests[-1].resource_metrics[0].resource):
+        got = {kv.key: kv.value.string_value for kv in resource.attributes}
+        assert {k: got.get(k) for k in expected} == expected
+        assert got["service.version"]
+
+
+def test_span_delivery_is_confirmed_once_the_receiver_accepts(receiver: OtlpGrpcReceiver) -> None:
+    receiver.fail_with = grpc.StatusCode.UNAVAILABLE
+    telemetry = Telemetry()
+    exporter = OtlpSpanExporter(OtlpConfig(endpoint=receiver.endpoint, insecure=True, initial_backoff=Duration(0.02),
+                                           max_backoff=Duration(0.05), max_attempts=1000), telemetry)
+    confirmed: list[list[str]] = []
+    exporter.add_delivery_listener(lambda ids: confirmed.append(list(ids)))
+    violation = make_violation(1)
+    try:
+        exporter.export([violation])
+        wait_until(lambda: sample(telemetry, "durable_check_exporter_failures_total",
+                                  {"exporter": "otlp"}) >= 2, timeout_s=5, what="refused attempts")
+        assert confirmed == []
+        receiver.fail_with = None
+        wait_until(lambda: confirmed, timeout_s=5, what="the confirmation")
+        assert confirmed == [[violation.violation_id]]
+    finally:
+        exporter.shutdown(2.0)

@@ -117,3 +117,26 @@ def test_retries_are_bounded(recorder: HttpRecorder) -> None:
     exporter.shutdown(1.0)
     assert len(recorder.snapshot()) == 3
     assert sample(telemetry, "durable_check_exporter_failures_total") == 3
+
+
+def test_delivery_is_confirmed_only_once_the_endpoint_accepts(recorder: HttpRecorder) -> None:
+    """What serve's outbox waits for before it counts a violation delivered."""
+    recorder.mode = "503"
+    exporter = WebhookExporter(fast(recorder.url, max_attempts=1000), Telemetry())
+    confirmed: list[list[str]] = []
+    exporter.add_delivery_listener(lambda ids: confirmed.append(list(ids)))
+    violation = make_violation(1)
+    try:
+        exporter.export([violation])
+        wait_until(lambda: len(recorder.snapshot()) >= 2, timeout_s=5, what="retried failures")
+        assert confirmed == []
+        recorder.mode = "ok"
+        wait_until(lambda: confirmed, timeout_s=5, what="the confirmation")
+        assert confirmed == [[violation.violation_id]]
+        sent = len(recorder.snapshot())
+        # Handed over again (an outbox after a restart of its dispatcher): confirmed at once, not sent again.
+        exporter.export([violation])
+        assert confirmed == [[violation.violation_id], [violation.violation_id]]
+        assert len(recorder.snapshot()) == sent
+    finally:
+        exporter.shutdown(2.0)

@@ -182,3 +182,42 @@ def test_gzip_compressed_export_from_the_sdk(tmp_path: Path) -> None:
         emit_durable_spans(recording.provider, "s-gzip")
         recording.shutdown()
     assert ("DS003", "s-gzip", "call-1") in keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+
+
+def test_the_worker_gets_the_request_bytes_as_received() -> None:
+    """A durable store journals the bytes the client sent instead of serializing the request again."""
+    import asyncio
+    import threading
+
+    from processor.config import GrpcReceiverConfig
+    from processor.receive.otlp_grpc import OTLPGrpcReceiver
+    from processor.receive.queue import Ack, Batch, IngestQueue
+    from processor.telemetry import Telemetry
+
+    body = make_request({"durable.action.kind": "payment"}, {"durable.action.kind": "checkpoint"}).SerializeToString()
+    telemetry = Telemetry()
+    queue = IngestQueue(10, 1000, 1.0, telemetry)
+    taken: list[Batch] = []
+
+    def worker() -> None:
+        batch = queue.get(10.0)
+        if batch is not None:
+            taken.append(batch)
+            batch.ack.set_result(Ack())
+
+    async def scenario() -> grpc.StatusCode:
+        receiver = OTLPGrpcReceiver(GrpcReceiverConfig(endpoint="127.0.0.1:0"), queue, telemetry, lambda: True)
+        port = await receiver.start()
+        try:
+            code, _, _ = await asyncio.get_running_loop().run_in_executor(None, _raw_export, port, body)
+        finally:
+            await receiver.stop(1.0)
+        return code
+
+    consumer = threading.Thread(target=worker)
+    consumer.start()
+    assert asyncio.run(scenario()) == grpc.StatusCode.OK
+    consumer.join(10.0)
+    (batch,) = taken
+    assert batch.body == body
+    assert batch.request.SerializeToString() == body

@@ -212,3 +212,50 @@ def test_gzip_compressed_export_from_the_sdk(tmp_path: Path) -> None:
         emit_durable_spans(recording.provider, "s-gzip-http")
         recording.shutdown()
     assert ("DS003", "s-gzip-http", "call-1") in keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+
+
+def test_the_worker_gets_the_decompressed_protobuf_bytes_and_none_for_json() -> None:
+    """A durable store journals the protobuf bytes as received; an OTLP/JSON request is serialized once there."""
+    import asyncio
+    import gzip
+    import threading
+
+    import httpx
+    from google.protobuf import json_format
+
+    from processor.config import HttpReceiverConfig
+    from processor.receive.otlp_http import build_app
+    from processor.receive.queue import Ack, Batch, IngestQueue
+    from processor.telemetry import Telemetry
+
+    request = make_request({"durable.action.kind": "payment"})
+    body = request.SerializeToString()
+    telemetry = Telemetry()
+    queue = IngestQueue(10, 1000, 1.0, telemetry)
+    app = build_app(HttpReceiverConfig(), queue, telemetry, lambda: True, lambda: (True, ""))
+    taken: list[Batch] = []
+
+    def worker() -> None:
+        for _ in range(2):
+            batch = queue.get(10.0)
+            if batch is None:
+                return
+            taken.append(batch)
+            batch.ack.set_result(Ack())
+
+    async def scenario() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://receiver") as client:
+            compressed = await client.post("/v1/traces", content=gzip.compress(body), headers={
+                "Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"})
+            as_json = await client.post("/v1/traces", content=json_format.MessageToJson(request), headers={
+                "Content-Type": "application/json"})
+        return [compressed.status_code, as_json.status_code]
+
+    consumer = threading.Thread(target=worker)
+    consumer.start()
+    assert asyncio.run(scenario()) == [200, 200]
+    consumer.join(10.0)
+    protobuf, json_batch = taken
+    assert protobuf.body == body
+    assert json_batch.body is None

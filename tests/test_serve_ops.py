@@ -201,7 +201,7 @@ def test_tls_accepts_a_client_that_trusts_the_server_and_refuses_one_that_does_n
     monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
     monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
     tls = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"])}
-    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"tls": tls}, "http": {"tls": tls}}}})
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"tls": tls}, "http": {"tls": dict(tls)}}}})
     with running(config) as server:
         trusted = grpc.ssl_channel_credentials(root_certificates=pki["ca"].read_bytes())
         exporter = GrpcExporter(endpoint=f"127.0.0.1:{server.grpc_port}", credentials=trusted, timeout=5)
@@ -227,7 +227,7 @@ def test_tls_accepts_a_client_that_trusts_the_server_and_refuses_one_that_does_n
 
 def test_mtls_requires_a_client_certificate(tmp_path: Path, pki: dict[str, Path]) -> None:
     tls = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"]), "client_ca_file": str(pki["ca"])}
-    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"tls": tls}, "http": {"tls": tls}}}})
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"tls": tls}, "http": {"tls": dict(tls)}}}})
     ca, cert, key = (pki[k].read_bytes() for k in ("ca", "client_cert", "client_key"))
     with running(config) as server:
         with_cert = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
@@ -254,7 +254,7 @@ def test_mtls_requires_a_client_certificate(tmp_path: Path, pki: dict[str, Path]
 
 def test_bearer_token_accepts_the_right_client_and_refuses_the_wrong_one(tmp_path: Path) -> None:
     auth = {"bearer_token": "right-token"}
-    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"auth": auth}, "http": {"auth": auth}}}})
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"grpc": {"auth": auth}, "http": {"auth": dict(auth)}}}})
     with running(config) as server:
         grpc_endpoint = f"127.0.0.1:{server.grpc_port}"
         http_url = f"http://127.0.0.1:{server.http_port}/v1/traces"

@@ -270,3 +270,238 @@ def test_retry_queue_tells_delivery_listeners_only_after_delivery() -> None:
     queue.shutdown(1.0)
     assert attempts == [["a", "b"], ["a", "b"]]
     assert delivered == [["a", "b"]]
+
+
+def _gauge(telemetry: object, name: str, labels: dict[str, str] | None = None) -> float:
+    from processor.telemetry import Telemetry
+
+    assert isinstance(telemetry, Telemetry)
+    value = telemetry.registry.get_sample_value(name, labels or {})
+    assert value is not None, f"{name}{labels or ''} is not exposed"
+    return value
+
+
+def test_journal_depth_and_outbox_pending_are_published(tmp_path: Path) -> None:
+    from processor.telemetry import Telemetry
+
+    telemetry = Telemetry()
+    store = SqliteStore(tmp_path / "state.db")
+    journal = Journal(store, telemetry=telemetry)
+    journal.append([NewEntry(b"r" * 100, "grpc", "o", 1, 0), NewEntry(b"s" * 50, "grpc", "o", 2, 0)])
+    assert _gauge(telemetry, "durable_check_journal_depth") == 2
+    assert _gauge(telemetry, "durable_check_journal_bytes") == 150
+    outbox = Outbox(store, ["jsonl", "webhook"], telemetry=telemetry)
+    fresh: list[tuple[int, Violation]] = []
+    with store.unit():
+        journal.done_in_unit([(e.id, e.size) for e in journal.pending()[:1]])
+        outbox.add_in_unit([_violation(1), _violation(2), _violation(3)], fresh.extend)
+    assert _gauge(telemetry, "durable_check_journal_depth") == 1
+    assert _gauge(telemetry, "durable_check_journal_bytes") == 50
+    assert _gauge(telemetry, "durable_check_outbox_pending", {"exporter": "webhook"}) == 3
+    with store.unit():
+        outbox.delivered_in_unit("jsonl", [seq for seq, _ in fresh])
+        outbox.delivered_in_unit("webhook", [fresh[0][0]])
+    assert _gauge(telemetry, "durable_check_outbox_pending", {"exporter": "jsonl"}) == 0
+    assert _gauge(telemetry, "durable_check_outbox_pending", {"exporter": "webhook"}) == 2
+    store.close()
+    # A new process counts what the database holds.
+    reopened = SqliteStore(tmp_path / "state.db")
+    again = Telemetry()
+    Journal(reopened, telemetry=again)
+    assert _gauge(again, "durable_check_journal_depth") == 1
+    restarted = Outbox(reopened, ["jsonl", "webhook"], telemetry=again)
+    Dispatcher(restarted, []).resume()
+    assert _gauge(again, "durable_check_outbox_pending", {"exporter": "webhook"}) == 2
+    # Pruning recounts exactly (here: past max_pending, the oldest pending row is dropped).
+    restarted.max_pending = 1
+    with reopened.unit():
+        restarted.prune_in_unit()
+    assert _gauge(again, "durable_check_outbox_pending", {"exporter": "webhook"}) == 1
+    reopened.close()
+
+
+def test_a_confirmation_whose_commit_failed_is_committed_by_the_next_unit(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    exporter = _ConfirmingExporter()
+    outbox = Outbox(store, [exporter.name])
+    dispatcher = Dispatcher(outbox, [exporter])
+    fresh: list[tuple[int, Violation]] = []
+    with store.unit():
+        outbox.add_in_unit([_violation(1)], fresh.extend)
+    dispatcher.hand_over(fresh)
+    confirm = exporter.listeners[0]
+    assert callable(confirm)
+    confirm([_violation(1).violation_id])
+    with pytest.raises(RuntimeError), store.unit():
+        assert dispatcher.confirmations_in_unit() == 1
+        raise RuntimeError("the commit fails")
+    store.reset()
+    assert [v.action_id for _, v in outbox.pending(exporter.name)] == ["a1"]
+    assert dispatcher.has_confirmations(), "kept for the next unit"
+    with store.unit():
+        assert dispatcher.confirmations_in_unit() == 1
+    assert outbox.pending(exporter.name) == []
+    assert not dispatcher.has_confirmations()
+    store.close()
+
+
+class _QueuedExporter(_ConfirmingExporter):
+    """A confirming exporter with a retry queue of its own (``queue.depth``), like the network exporters."""
+
+    name = "queued"
+
+    class _Queue:
+        depth = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue = self._Queue()
+
+
+def test_unconfirmed_rows_are_handed_over_again_once_the_exporter_has_no_backlog(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    exporter = _QueuedExporter()
+    outbox = Outbox(store, [exporter.name])
+    dispatcher = Dispatcher(outbox, [exporter], redeliver_after_s=0.0)
+    fresh: list[tuple[int, Violation]] = []
+    with store.unit():
+        outbox.add_in_unit([_violation(n) for n in range(1, 4)], fresh.extend)
+    dispatcher.hand_over(fresh)
+    exporter.exported.clear()
+    # Still working through its own queue: what it holds is not lost, so nothing is pushed onto it.
+    exporter.queue.depth = 3
+    assert dispatcher.redeliver_overdue() == 0
+    assert exporter.exported == []
+    # It gave up on them (retries spent); one row was dropped from the outbox at its bound meanwhile.
+    exporter.queue.depth = 0
+    with store.unit():
+        outbox.delivered_in_unit(exporter.name, [fresh[0][0]])
+    assert dispatcher.redeliver_overdue() == 2
+    assert exporter.exported == [_violation(2).violation_id, _violation(3).violation_id]
+    store.close()
+
+
+def test_store_failures_are_counted_by_kind(tmp_path: Path) -> None:
+    import os
+
+    import psycopg
+
+    from processor.errors import StateError
+    from processor.state.faults import SessionOwnedElsewhere, StateCorrupt, postgres_error, sqlite_error
+    from processor.state.runner import failure_kind
+
+    def sqlite_failure(name: str) -> StateError:
+        error = sqlite3.OperationalError("test")
+        error.sqlite_errorname = name
+        return sqlite_error(error, tmp_path / "state.db", 5.0)
+
+    assert failure_kind(sqlite_failure("SQLITE_BUSY")) == "locked"
+    assert failure_kind(sqlite_failure("SQLITE_FULL")) == "full"
+    assert failure_kind(sqlite_failure("SQLITE_READONLY_DIRECTORY")) == "read_only"
+    assert failure_kind(sqlite_failure("SQLITE_CORRUPT")) == "corrupt"
+    assert failure_kind(sqlite_failure("SQLITE_CANTOPEN")) == "other"
+    assert failure_kind(postgres_error(psycopg.OperationalError("gone"), "db:5432/dc")) == "connection"
+    assert failure_kind(postgres_error(psycopg.errors.DiskFull(), "db:5432/dc")) == "full"
+    assert failure_kind(postgres_error(psycopg.errors.ReadOnlySqlTransaction(), "db:5432/dc")) == "read_only"
+    assert failure_kind(postgres_error(psycopg.errors.LockNotAvailable(), "db:5432/dc")) == "locked"
+    assert failure_kind(StateCorrupt("x")) == "corrupt"
+    # Refusals that are no failure of the store.
+    assert failure_kind(JournalFull("full journal")) is None
+    assert failure_kind(SessionOwnedElsewhere("held elsewhere")) is None
+    # A real cap on the file reads as a full disk.
+    capped = SqliteStore(tmp_path / "capped.db", max_page_count=40)
+    with pytest.raises(StateError) as caught:
+        for n in range(200):
+            Journal(capped).append([NewEntry(os.urandom(4000), "grpc", "o", n, 0)])
+    assert failure_kind(caught.value) == "full"
+    capped.close()
+
+
+def test_a_locked_database_is_counted_as_a_state_failure_while_serving(tmp_path: Path) -> None:
+    """serve on SQLite while another process holds the write lock: refused, retried, counted as ``locked``."""
+    import time
+
+    import grpc
+
+    from tests.durable_support import EXPORT, durable_server, workload
+    from tests.serve_support import serve_config
+
+    path = tmp_path / "state.db"
+    config = serve_config(tmp_path, {"state": {"backend": "sqlite", "path": str(path), "busy_timeout": "100ms"}})
+    store = SqliteStore(path, busy_timeout_s=0.1)
+    body = next(iter(workload(5, 1, 1, time.time_ns()).values()))[0]
+    with durable_server(config, store) as server:
+        telemetry = server.telemetry
+        assert _gauge(telemetry, "durable_check_state_failures_total", {"kind": "locked"}) == 0
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                call = channel.unary_unary(EXPORT, request_serializer=None, response_deserializer=None)
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(body, timeout=10.0)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "locked" in (refused.value.details() or "")
+            assert _gauge(telemetry, "durable_check_state_failures_total", {"kind": "locked"}) >= 1
+            assert _gauge(telemetry, "durable_check_journal_depth") == 0
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            channel.unary_unary(EXPORT, request_serializer=None, response_deserializer=None)(body, timeout=10.0)
+
+
+def test_deliveries_confirmed_during_the_shutdown_flush_are_recorded(tmp_path: Path) -> None:
+    """serve stops the evaluator, then flushes the exporters: what they deliver then is not handed over again."""
+    import time
+
+    from processor.convert.spans import SpanConverter
+    from processor.receive.otlp_common import count_spans, parse_protobuf
+    from processor.receive.queue import Batch, IngestQueue
+    from processor.serve import build_pipeline
+    from processor.state.runner import DurableWorker
+    from processor.telemetry import Telemetry
+    from tests.durable_support import workload
+    from tests.serve_support import serve_config
+    from tests.servers import HttpRecorder, wait_until
+
+    hook = HttpRecorder()
+    hook.mode = "503"
+    path = tmp_path / "state.db"
+    config = serve_config(tmp_path, {
+        "evaluate": {"allowed_lateness": "100ms"},
+        "state": {"backend": "sqlite", "path": str(path)},
+        "exporters": {"webhook": {"url": hook.url, "initial_backoff": "20ms", "max_backoff": "50ms",
+                                  "max_attempts": 1000}},
+    })
+    telemetry = Telemetry()
+    store = SqliteStore(path)
+    pipeline = build_pipeline(config, telemetry, store)
+    assert pipeline.engine_factory is not None
+    queue = IngestQueue(10, 1000, 1.0, telemetry)
+    worker = DurableWorker(queue, pipeline, store, pipeline.engine_factory, converter=SpanConverter(config.convert),
+                           hold=None, tick_interval_s=0.05, telemetry=telemetry)
+    worker.start()
+    try:
+        for bodies in workload(41, 2, 4, time.time_ns()).values():
+            for body in bodies:
+                request = parse_protobuf(body)
+                queue.try_put(Batch(request=request, span_count=count_spans(request), protocol="grpc",
+                                    origin="otlp-grpc", body=body))
+        outbox = Outbox(store, ["jsonl", "webhook"])
+        wait_until(lambda: len(hook.snapshot()) >= 2, timeout_s=10, what="failed webhook attempts")
+        queue.close()
+        assert worker.drain(10.0)
+        pending = {v.violation_id for _, v in outbox.pending("webhook")}
+        assert pending and outbox.pending("jsonl") == []
+        hook.mode = "ok"
+        pipeline.shutdown(5.0)  # the webhook delivers in its flush, after the evaluator stopped
+        assert {r.json()["violations"][0]["violation_id"] for r in hook.snapshot() if r.status == 200} == pending
+        assert worker.record_final_confirmations() == len(pending)
+        assert outbox.pending("webhook") == []
+    finally:
+        queue.close()
+        worker.drain(5.0)
+        pipeline.shutdown(1.0)
+        hook.stop()
+        store.close()

@@ -140,7 +140,7 @@ class OTLPGrpcReceiver:
             return trace_service_pb2.ExportTraceServiceResponse()
         if not self._accepting():
             await self._refuse(context, spans, QueueClosed(), self._queue.retry_after_s)
-        batch = Batch(request=request, span_count=spans, protocol="grpc", origin=ORIGIN)
+        batch = Batch(request=request, span_count=spans, protocol="grpc", origin=ORIGIN, body=body)
         try:
             ack = await self._queue.put_and_wait_durable(batch)
         except QueueFull as exc:

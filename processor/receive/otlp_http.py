@@ -148,11 +148,14 @@ def build_app(
             body = _decompress(body, encoding, limit)
             decode_problems: list[str] = []
             message: Any
+            # The protobuf bytes (decompressed) as they are, for the journal; JSON has none.
+            protobuf_body: bytes | None = None
             if media == PROTOBUF:
                 try:
                     message = parse_protobuf(body)
                 except RequestDecodeError as exc:
                     raise _Refused(400, str(exc)) from None
+                protobuf_body = body
             else:
                 message, decode_problems = _decode_json(body)
             spans = count_spans(message) + len(decode_problems)
@@ -163,7 +166,8 @@ def build_app(
                 telemetry.spans_rejected.labels("http", "unavailable").inc(spans)
                 raise _Refused(503, str(QueueClosed()), _retry_after(queue.retry_after_s))
             batch = Batch(
-                request=message, span_count=spans, protocol="http", origin=ORIGIN, decode_problems=decode_problems
+                request=message, span_count=spans, protocol="http", origin=ORIGIN, decode_problems=decode_problems,
+                body=protobuf_body,
             )
             try:
                 ack = await queue.put_and_wait_durable(batch)

@@ -70,6 +70,9 @@ class Batch:
     origin: str
     # Spans the receiver already left out (OTLP/JSON spans that did not decode), with why.
     decode_problems: list[str] = field(default_factory=list)
+    # The request's protobuf bytes as received (None for OTLP/JSON): a durable store journals them
+    # as they are instead of serializing ``request`` again.
+    body: bytes | None = None
     received_ns: int = field(default_factory=time.time_ns)
     # Resolved by the worker; the receiver answers the client from it.
     ack: concurrent.futures.Future[Ack] = field(default_factory=concurrent.futures.Future)

@@ -13,7 +13,8 @@ client's retry; the engine's duplicate detection (a span's delivery key) absorbs
 
 The journal is bounded (``max_bytes`` of unprocessed requests): past the bound a
 request is refused with :class:`~processor.state.faults.JournalFull`, which the
-receivers answer as "retry later".
+receivers answer as "retry later". What it holds is published as
+``durable_check_journal_depth`` (requests) and ``durable_check_journal_bytes``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import orjson
 from processor.errors import StateError
 from processor.state.faults import JournalFull
 from processor.state.sqlstore import SqlStateStore, UnitOp
+from processor.telemetry import Telemetry
 
 # The kind of body: an OTLP ExportTraceServiceRequest (the only kind so far).
 EntryKind = Literal["otlp"]
@@ -67,8 +69,11 @@ class JournalEntry:
 class Journal:
     """The journal of one replica, in its store's database."""
 
-    def __init__(self, store: SqlStateStore, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(
+        self, store: SqlStateStore, *, max_bytes: int = DEFAULT_MAX_BYTES, telemetry: Telemetry | None = None
+    ) -> None:
         self._store = store
+        self._telemetry = telemetry
         self.max_bytes = max_bytes
         self.pending_bytes = 0
         self.pending_count = 0
@@ -81,6 +86,12 @@ class Journal:
         )
         self.pending_count = int(rows[0][0])
         self.pending_bytes = int(rows[0][1])
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._telemetry is not None:
+            self._telemetry.journal_depth.set(self.pending_count)
+            self._telemetry.journal_bytes.set(self.pending_bytes)
 
     def append(
         self,
@@ -126,6 +137,7 @@ class Journal:
         self._store.write([op, *also])
         self.pending_bytes += added_bytes
         self.pending_count += sum(1 for o in outcome if isinstance(o, int))
+        self._publish()
         return outcome
 
     def pending(self, after_id: int = 0, limit: int = 256) -> list[JournalEntry]:
@@ -155,5 +167,6 @@ class Journal:
         def after() -> None:
             self.pending_bytes = max(0, self.pending_bytes - size)
             self.pending_count = max(0, self.pending_count - len(ids))
+            self._publish()
 
         self._store.in_unit(op, after)

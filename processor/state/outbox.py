@@ -13,10 +13,19 @@ Idempotency-Key, Alertmanager alerts carry the id among their labels), so a viol
 handed over twice is written, sent or alerted once.
 
 An exporter confirms delivery when it offers ``add_delivery_listener(callback)``
-(called with the delivered violation ids, from the exporter's own thread); one that
-does not is taken as delivered once ``export()`` returns (it has taken the violation
-into its own queue). Handed-over rows not confirmed within ``redeliver_after_s`` are
-handed over again (an exporter that gave up on them after its retries).
+(called with the delivered violation ids, from the exporter's own thread): every
+exporter that delivers violations somewhere does (JSONL once the lines are written,
+OTLP spans and webhooks once the endpoint accepted the request, Alertmanager once it
+accepted the alerts), so a violation still waiting in an exporter's retry queue when
+the process dies is pending in the outbox and handed over again after the restart. An
+exporter without it (the metrics exporters, which are no violation sinks) is taken as
+delivered once ``export()`` returns. A confirmation is let go only once the
+transaction deleting its pending row commits. Handed-over rows not confirmed within
+``redeliver_after_s`` are handed over again (an exporter that gave up on them after
+its retries, or dropped them from its full queue), once that exporter's own queue is
+empty, a bounded number per round.
+
+The pending rows per exporter are published as ``durable_check_outbox_pending``.
 
 Delivered rows are kept (``keep_delivered`` newest) so that a violation found again
 later is still recognised as already emitted; pending rows per exporter are bounded
@@ -36,12 +45,21 @@ from typing import Any, Final
 import orjson
 
 from processor.state.sqlstore import SqlStateStore, dumps
+from processor.telemetry import Telemetry
 from processor.violations import Violation
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP_DELIVERED: Final = 100_000
 DEFAULT_MAX_PENDING: Final = 100_000
+# Rows handed over again per exporter and round (the exporter's queue is bounded too).
+REDELIVER_BATCH: Final = 1000
+# Placeholders per IN (...) list.
+_IN_LIST: Final = 500
+_COUNT_PENDING: Final = (
+    "SELECT p.exporter, count(*) FROM outbox_pending p JOIN outbox o ON o.seq = p.seq"
+    " WHERE o.replica_id = ? GROUP BY p.exporter"
+)
 
 
 def violation_to_bytes(violation: Violation) -> bytes:
@@ -64,11 +82,38 @@ class Outbox:
         *,
         keep_delivered: int = DEFAULT_KEEP_DELIVERED,
         max_pending: int = DEFAULT_MAX_PENDING,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._store = store
         self.exporters = tuple(exporters)
         self.keep_delivered = keep_delivered
         self.max_pending = max_pending
+        self._telemetry = telemetry
+        # exporter -> rows of this replica it has not confirmed; kept by difference, recounted on prune.
+        self.pending_counts: dict[str, int] = dict.fromkeys(self.exporters, 0)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._telemetry is not None:
+            for name, count in self.pending_counts.items():
+                self._telemetry.outbox_pending.labels(name).set(count)
+
+    def _counts(self, rows: Sequence[Sequence[Any]]) -> dict[str, int]:
+        counts = dict.fromkeys(self.exporters, 0)
+        for name, count in rows:
+            if name in counts:
+                counts[name] = int(count)
+        return counts
+
+    def refresh_counts(self) -> None:
+        """Recount the pending rows per exporter (at start, after adopting another replica's work)."""
+        self.pending_counts = self._counts(self._store.query(_COUNT_PENDING, (self._store.replica_id,)))
+        self._publish()
+
+    def _added(self, rows: int) -> None:
+        for name in self.exporters:
+            self.pending_counts[name] += rows
+        self._publish()
 
     def add_in_unit(
         self, violations: Sequence[Violation], recorded: Callable[[list[tuple[int, Violation]]], None]
@@ -97,18 +142,34 @@ class Outbox:
                     [(name, seq) for seq, _ in fresh for name in self.exporters],
                 )
 
-        store.in_unit(op, lambda: recorded(list(fresh)))
+        def committed() -> None:
+            self._added(len(fresh))
+            recorded(list(fresh))
 
-    def delivered_in_unit(self, exporter: str, seqs: Sequence[int]) -> None:
+        store.in_unit(op, committed)
+
+    def delivered_in_unit(self, exporter: str, seqs: Sequence[int], after: Callable[[], None] | None = None) -> None:
+        """Delete ``exporter``'s pending rows ``seqs`` in the open unit; ``after`` runs once committed."""
         if not seqs:
             return
         rows = [(exporter, seq) for seq in seqs]
+
+        def committed() -> None:
+            if exporter in self.pending_counts:
+                self.pending_counts[exporter] = max(0, self.pending_counts[exporter] - len(rows))
+                self._publish()
+            if after is not None:
+                after()
+
         self._store.in_unit(lambda: self._store.executemany(
-            "DELETE FROM outbox_pending WHERE exporter = ? AND seq = ?", rows))
+            "DELETE FROM outbox_pending WHERE exporter = ? AND seq = ?", rows), committed)
 
     def prune_in_unit(self) -> None:
-        """Bound the table: forget the oldest delivered rows, and pending rows past ``max_pending``."""
+        """Bound the table: forget the oldest delivered rows, and pending rows past ``max_pending``.
+
+        Also recounts the pending rows (the counts kept by difference are exact again once committed)."""
         store = self._store
+        counted: dict[str, int] = {}
 
         def op() -> None:
             for name in self.exporters:
@@ -132,8 +193,14 @@ class Outbox:
                     " AND NOT EXISTS (SELECT 1 FROM outbox_pending p WHERE p.seq = outbox.seq)",
                     (store.replica_id, int(cut[0])),
                 )
+            counted.clear()
+            counted.update(self._counts(store.execute(_COUNT_PENDING, (store.replica_id,)).fetchall()))
 
-        store.in_unit(op)
+        def committed() -> None:
+            self.pending_counts = dict(counted)
+            self._publish()
+
+        store.in_unit(op, committed)
 
     def forget_unknown_exporters(self) -> None:
         """Pending rows of exporters no longer configured would wait forever: drop them (own transaction)."""
@@ -162,6 +229,22 @@ class Outbox:
         )
         return [(int(seq), violation_from_bytes(bytes(body))) for seq, body in rows]
 
+    def pending_rows(self, exporter: str, seqs: Sequence[int]) -> list[tuple[int, Violation]]:
+        """Those of ``seqs`` still pending for ``exporter``, oldest first."""
+        out: list[tuple[int, Violation]] = []
+        ordered = sorted(seqs)
+        for start in range(0, len(ordered), _IN_LIST):
+            chunk = ordered[start:start + _IN_LIST]
+            marks = ", ".join("?" for _ in chunk)
+            # Only placeholders are formatted into the statement; the values are parameters.
+            statement = (
+                "SELECT o.seq, o.body FROM outbox_pending p JOIN outbox o ON o.seq = p.seq"  # noqa: S608
+                f" WHERE p.exporter = ? AND o.replica_id = ? AND p.seq IN ({marks}) ORDER BY p.seq"
+            )
+            rows = self._store.query(statement, (exporter, self._store.replica_id, *chunk))
+            out.extend((int(seq), violation_from_bytes(bytes(body))) for seq, body in rows)
+        return out
+
     def recorded_ids(self) -> set[str]:
         """Every violation id in the outbox (tests, debugging)."""
         return {str(r[0]) for r in self._store.query("SELECT violation_id FROM outbox")}
@@ -177,6 +260,7 @@ class Dispatcher:
         # exporter -> violation id -> (seq, monotonic time handed over)
         self._in_flight: dict[str, dict[str, tuple[int, float]]] = {name: {} for name in self._exporters}
         self._lock = threading.Lock()
+        # Confirmations not yet committed; appended by exporter threads, removed once their deletion commits.
         self._confirmed: collections.deque[tuple[str, list[str]]] = collections.deque()
         self._confirming: set[str] = set()
         for name, exporter in self._exporters.items():
@@ -205,26 +289,48 @@ class Dispatcher:
                 flight[violation.violation_id] = (seq, now)
             exporter.export([v for _, v in rows])
             if name not in self._confirming:
+                # It offers no confirmation: taken into its own hands is as delivered as it gets.
                 with self._lock:
                     self._confirmed.append((name, [v.violation_id for _, v in rows]))
 
     def confirmations_in_unit(self) -> int:
-        """Delete the pending rows of confirmed deliveries in the open unit; returns how many."""
+        """Delete the pending rows of confirmed deliveries in the open unit; returns how many.
+
+        The confirmations are let go only once that unit commits: after a failed commit
+        the next unit deletes them again.
+        """
         with self._lock:
             batches = list(self._confirmed)
-            self._confirmed.clear()
-        count = 0
+        if not batches:
+            return 0
         by_exporter: dict[str, list[int]] = {}
+        settled: list[tuple[str, str, int]] = []
         for name, ids in batches:
             flight = self._in_flight.get(name, {})
             for violation_id in ids:
-                entry = flight.pop(violation_id, None)
+                entry = flight.get(violation_id)
                 if entry is not None:
                     by_exporter.setdefault(name, []).append(entry[0])
-                    count += 1
-        for name, seqs in by_exporter.items():
-            self._outbox.delivered_in_unit(name, seqs)
-        return count
+                    settled.append((name, violation_id, entry[0]))
+
+        def committed() -> None:
+            with self._lock:
+                for _ in batches:
+                    self._confirmed.popleft()
+            for name, violation_id, seq in settled:
+                flight = self._in_flight.get(name, {})
+                # Handed over again meanwhile under another seq (cannot happen for one id), keep that.
+                if flight.get(violation_id, (seq, 0.0))[0] == seq:
+                    flight.pop(violation_id, None)
+
+        names = list(by_exporter)
+        if not names:
+            # Nothing of these is in flight any more (handed over before a restart of the dispatcher).
+            committed()
+            return 0
+        for index, name in enumerate(names):
+            self._outbox.delivered_in_unit(name, by_exporter[name], committed if index == len(names) - 1 else None)
+        return len(settled)
 
     def has_confirmations(self) -> bool:
         with self._lock:
@@ -232,6 +338,7 @@ class Dispatcher:
 
     def resume(self) -> int:
         """Hand over every pending row (at start, after a rebuild); returns how many rows."""
+        self._outbox.refresh_counts()
         total = 0
         for name in self._exporters:
             self._in_flight[name].clear()
@@ -245,13 +352,34 @@ class Dispatcher:
                 after = rows[-1][0]
         return total
 
-    def redeliver_overdue(self) -> None:
-        """Hand over again what was handed over long ago and never confirmed."""
+    def redeliver_overdue(self) -> int:
+        """Hand over again what was handed over long ago and never confirmed (an exporter that gave up on it
+        after its retries, or dropped it from a full queue); returns how many rows.
+
+        An exporter still working through its own queue is left alone (what it holds is not lost, and
+        more would only push its oldest out), and at most ``REDELIVER_BATCH`` rows go per round.
+        """
         cutoff = time.monotonic() - self.redeliver_after_s
+        total = 0
         for name in self._confirming:
-            overdue = [(seq, vid) for vid, (seq, at) in self._in_flight[name].items() if at <= cutoff]
+            if _backlog(self._exporters[name]):
+                continue
+            flight = self._in_flight[name]
+            overdue = sorted(seq for seq, at in flight.values() if at <= cutoff)[:REDELIVER_BATCH]
             if not overdue:
                 continue
-            rows = {seq for seq, _ in overdue}
-            again = [row for row in self._outbox.pending(name, min(rows) - 1, limit=len(rows) * 2) if row[0] in rows]
+            again = self._outbox.pending_rows(name, overdue)
+            # Rows no longer pending (confirmed meanwhile, or dropped at the bound) are not waited for.
+            gone = set(overdue) - {seq for seq, _ in again}
+            for violation_id in [vid for vid, (seq, _) in flight.items() if seq in gone]:
+                del flight[violation_id]
             self.hand_over(again, only=name)
+            total += len(again)
+        return total
+
+
+def _backlog(exporter: Any) -> int:
+    """Items an exporter still holds in its retry queue (0 for one without a queue)."""
+    queue = getattr(exporter, "queue", None)
+    depth = getattr(queue, "depth", 0)
+    return depth if isinstance(depth, int) else 0

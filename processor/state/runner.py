@@ -14,8 +14,10 @@ The same single thread that owns the engine owns the store's connection. Its loo
 3. **Evaluate.** Journaled entries go through the engine in order, up to
    ``max_group`` per unit of work; one transaction then commits the engine's state,
    deletes the entries from the journal and records the violations in the outbox.
-4. **Deliver.** New outbox rows are handed to the exporters; their confirmations are
-   deleted from ``outbox_pending`` in the next transaction.
+4. **Deliver.** New outbox rows are handed to the exporters; a row is deleted from
+   ``outbox_pending`` in a later transaction once its exporter confirms delivery (the
+   line written, the endpoint's acceptance), not when ``export()`` returns: a violation
+   still in an exporter's retry queue at a crash is handed over again at the restart.
 
 Every ``tick_interval`` the engine's clock moves (deadlines fire, in a unit of work of
 their own), overdue deliveries are handed over again, and a shared store renews its
@@ -26,6 +28,11 @@ state and the journal's entries are evaluated again (with capped backoff while t
 fault lasts). Requests arriving meanwhile are answered "retry later" when they cannot
 be journaled. At start, entries left in the journal by a crash are evaluated before
 anything new, and undelivered outbox rows are handed over again.
+
+Telemetry: ``durable_check_journal_depth``/``_bytes`` (the journal),
+``durable_check_outbox_pending{exporter}`` (the outbox) and
+``durable_check_state_failures_total{kind}`` (every failed store operation, by
+:func:`failure_kind`).
 
 Shutdown evaluates what was journaled; the reordering buffer stays in the store (the
 spans it holds were acknowledged and are released after the restart), so there is no
@@ -54,11 +61,11 @@ from processor.receive.otlp_common import (
 )
 from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
 from processor.records import Action, Malformed
-from processor.state.faults import SessionOwnedElsewhere
+from processor.state.faults import JournalFull, SessionOwnedElsewhere, StateCorrupt
 from processor.state.journal import Journal, JournalEntry, NewEntry
 from processor.state.outbox import Dispatcher, Outbox
 from processor.state.sqlstore import SqlStateStore
-from processor.telemetry import Telemetry
+from processor.telemetry import STATE_FAILURE_KINDS, Telemetry
 from processor.violations import Violation
 
 if TYPE_CHECKING:
@@ -137,7 +144,10 @@ class DurableWorker:
         self._telemetry = telemetry
         self._options = options or DurableOptions()
         self._journal: Journal | None = None
-        self._outbox = Outbox(store, [e.name for e in pipeline.exporters])
+        self._outbox = Outbox(store, [e.name for e in pipeline.exporters], telemetry=telemetry)
+        for kind in STATE_FAILURE_KINDS:
+            # Born at zero, so the first failure is an increase that rate() sees.
+            telemetry.state_failures.labels(kind)
         self._dispatcher = Dispatcher(self._outbox, pipeline.exporters,
                                       redeliver_after_s=self._options.redeliver_after_s)
         self._pending: collections.deque[_Work] = collections.deque()
@@ -174,6 +184,24 @@ class DurableWorker:
         self._deadline = time.monotonic() + timeout_s
         self._thread.join(timeout_s + 1.0)
         return not self._thread.is_alive()
+
+    def record_final_confirmations(self) -> int:
+        """Record the deliveries the exporters confirmed while serve's shutdown flushed them (after this
+        worker stopped), so a clean restart does not hand those violations over again; returns how many.
+
+        Call it once the worker thread has stopped (it owns the store's connection), before the store closes.
+        """
+        if self._thread.is_alive() or not self._dispatcher.has_confirmations():
+            return 0
+        try:
+            with self._store.unit():
+                count = self._dispatcher.confirmations_in_unit()
+        except StateError as exc:
+            self._count_failure(exc)
+            log.warning("recording the exporters' last confirmations failed; those violations are handed over "
+                        "again at the next start: %s", exc)
+            return 0
+        return count
 
     def _run(self) -> None:
         try:
@@ -214,7 +242,7 @@ class DurableWorker:
 
     def _resume(self) -> None:
         store = self._store
-        self._journal = Journal(store, max_bytes=self._options.journal_max_bytes)
+        self._journal = Journal(store, max_bytes=self._options.journal_max_bytes, telemetry=self._telemetry)
         seq = store.meta_get(_SEQ_KEY)
         self._seq = int(seq) if seq is not None else 0
         self._outbox.forget_unknown_exporters()
@@ -297,7 +325,9 @@ class DurableWorker:
             undecoded = [Malformed(message=p, origin=batch.origin, source="span") for p in batch.decode_problems]
             items: list[Action | Malformed] = [*result.actions, *result.rejected, *undecoded]
             sessions = frozenset(i.session_id for i in items if i.session_id)
-            entry = NewEntry(batch.request.SerializeToString(), batch.protocol, batch.origin, batch.received_ns,
+            # The bytes as received when the receiver kept them (protobuf), else serialized once here (JSON).
+            body = batch.body if batch.body is not None else batch.request.SerializeToString()
+            entry = NewEntry(body, batch.protocol, batch.origin, batch.received_ns,
                              seq, list(batch.decode_problems), sessions)
             seq += len(result.actions)
             converted.append((batch, items, result.rejected, entry))
@@ -313,6 +343,7 @@ class DurableWorker:
         try:
             outcome = self._journal.append([c[3] for c in converted], admit, also=[save_seq])
         except StateError as exc:
+            self._count_failure(exc)
             self._last_failure = time.monotonic()
             log.error("journaling %d request(s) failed; the senders are asked to retry: %s", len(group), exc)
             self._refuse_all(group, f"the checker's state store failed: {exc}")
@@ -465,13 +496,24 @@ class DurableWorker:
             return
         self._succeeded()
         self._dispatcher.hand_over(fresh)
-        self._dispatcher.redeliver_overdue()
+        try:
+            self._dispatcher.redeliver_overdue()
+        except StateError as exc:
+            # Only a read: the rows stay pending and are tried again on a later tick.
+            self._count_failure(exc)
+            log.error("reading undelivered violations failed: %s", exc)
         if self._hold is not None:
             self._hold.note(v for _, v in fresh)
 
     # -- faults ----------------------------------------------------------------------------------
 
+    def _count_failure(self, exc: StateError) -> None:
+        kind = failure_kind(exc)
+        if kind is not None:
+            self._telemetry.state_failures.labels(kind).inc()
+
     def _failed(self, what: str, exc: StateError) -> None:
+        self._count_failure(exc)
         self._last_failure = time.monotonic()
         self._backoff_s = min(_MAX_BACKOFF_S, max(0.05, self._backoff_s * 2))
         self._broken_until = time.monotonic() + self._backoff_s
@@ -493,6 +535,7 @@ class DurableWorker:
             self.stats.recoveries += 1
             return True
         except StateError as exc:
+            self._count_failure(exc)
             self._store.stale = True
             log.error("the state store cannot be read back yet: %s", exc)
             return False
@@ -502,6 +545,25 @@ class DurableWorker:
         self._pipeline.engine = self._engine_factory(self._store)
         if self._journal is not None:
             self._journal.refresh()
+
+
+def failure_kind(exc: StateError) -> str | None:
+    """The ``durable_check_state_failures`` kind of a store failure (the messages of processor.state.faults);
+    None for a refusal that is no failure of the store (journal full, a session held by another replica)."""
+    if isinstance(exc, JournalFull | SessionOwnedElsewhere):
+        return None
+    if isinstance(exc, StateCorrupt):
+        return "corrupt"
+    text = str(exc)
+    if "disk full" in text:
+        return "full"
+    if "locked by another process" in text or "lock on the PostgreSQL server" in text:
+        return "locked"
+    if "read-only" in text:
+        return "read_only"
+    if "lost the connection" in text:
+        return "connection"
+    return "other"
 
 
 def _resolve(batch: Batch, ack: Ack | None = None, error: Exception | None = None) -> None:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,7 +33,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporters.config import OtlpConfig
+from exporters.otlp_spans import OtlpSpanExporter
+from exporters.resource import resource_attributes
+from processor._version import __version__
 from processor.config import Config
+from processor.telemetry import Telemetry
 from tests._deploy_support import (
     REPO,
     ServeProcess,
@@ -45,7 +50,7 @@ from tests._deploy_support import (
     write_yaml,
 )
 from tests.pg_support import fresh_database, pg_server
-from tests.servers import alertmanager_server, prometheus_server, wait_until
+from tests.servers import OtlpGrpcReceiver, alertmanager_server, make_violation, prometheus_server, wait_until
 
 CHART = REPO / "deploy/helm/durable-check"
 CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
@@ -118,7 +123,8 @@ ALL_OPTIONS: dict[str, Any] = {
     "auth": {"enabled": True, "existingSecret": "token", "key": "token"},
     "service": {"type": "LoadBalancer", "annotations": {"a": "b"}, "loadBalancerSourceRanges": ["10.0.0.0/8"]},
     "headlessService": {"enabled": True, "annotations": {"c": "d"}},
-    "extraEnv": [{"name": "WEBHOOK_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hook", "key": "token"}}}],
+    "extraEnv": [{"name": "WEBHOOK_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hook", "key": "token"}}},
+                 {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "deployment.environment=prod"}],
     "extraEnvFrom": [{"configMapRef": {"name": "more"}}],
     "extraVolumes": [{"name": "spare", "emptyDir": {}}],
     "extraVolumeMounts": [{"name": "spare", "mountPath": "/spare"}],
@@ -160,6 +166,8 @@ STATEFUL_OPTIONS: dict[str, Any] = {
               "otlp-http": {"containerPort": 14318, "servicePort": 4318, "appProtocol": "http"},
               "metrics": {"enabled": False, "containerPort": 9464, "servicePort": 9464}},
     "livenessProbe": {}, "startupProbe": {},
+    "extraEnv": [{"name": "OTEL_RESOURCE_ATTRIBUTES",
+                  "valueFrom": {"configMapKeyRef": {"name": "otel-resource", "key": "attributes"}}}],
 }
 
 VALUE_SETS = [
@@ -173,7 +181,6 @@ VALUE_SETS = [
 
 def test_chart_deploys_this_version() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text(encoding="utf-8"))
-    from processor._version import __version__
     assert chart["appVersion"] == __version__, "the image tag defaults to appVersion"
     image = workload(manifests({}))["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image == f"durable-check:{__version__}"
@@ -377,6 +384,108 @@ def test_pod_is_locked_down_and_writes_only_to_its_volumes() -> None:
     assert pod["automountServiceAccountToken"] is False
 
 
+# --- replicas tell themselves apart in what they push ---------------------------------------
+
+_ENV_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def kubelet_env(container: dict[str, Any], pod_name: str, sources: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The container's environment as the kubelet builds it from ``env``: entries in order, each
+    ``value``'s ``$(VAR)`` expanded from the entries before it (``$$`` is a literal ``$``, an unknown
+    reference stays as written), ``valueFrom`` read from the pod (``metadata.name``) or from
+    ``sources`` (``"<ConfigMap or Secret name>/<key>"``)."""
+    known = dict(sources or {})
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            def expand(match: re.Match[str]) -> str:
+                if match.group(0) == "$$":
+                    return "$"
+                return env.get(match.group(1), match.group(0))
+            env[entry["name"]] = _ENV_REFERENCE.sub(expand, entry["value"])
+            continue
+        source = entry["valueFrom"]
+        if "fieldRef" in source:
+            assert source["fieldRef"]["fieldPath"] == "metadata.name", source
+            env[entry["name"]] = pod_name
+        else:
+            ref = source.get("configMapKeyRef") or source["secretKeyRef"]
+            env[entry["name"]] = known[f"{ref['name']}/{ref['key']}"]
+    return env
+
+
+def container_of(values: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = workload(manifests(values))["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_each_pod_names_itself_in_its_otlp_resource(values: dict[str, Any]) -> None:
+    container = container_of(values)
+    names = [entry["name"] for entry in container["env"]]
+    assert names[0] == "POD_NAME", "first, so that every later entry may refer to it"
+    assert container["env"][0]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert names[-1] == "OTEL_RESOURCE_ATTRIBUTES", "last, so that it may refer to every extraEnv entry"
+    assert names.count("OTEL_RESOURCE_ATTRIBUTES") == 1
+    # Every Secret and ConfigMap key the value sets name.
+    sources = {"otel-resource/attributes": "k8s.cluster.name=eu-1", "hook/token": "t", "pg/url": "postgresql://",
+               "token/token": "t", "durable-check-postgres/dsn": "postgresql://", "durable-check-token/token": "t"}
+    for pod in ("example-durable-check-0", "example-durable-check-1"):
+        resource = resource_attributes(kubelet_env(container, pod, sources))
+        assert resource["service.instance.id"] == pod
+        assert resource["service.name"] == "durable-check"
+
+
+def test_extra_resource_attributes_are_merged_and_win() -> None:
+    pod = "example-durable-check-0"
+    from_value = container_of({"extraEnv": [
+        {"name": "CLUSTER", "value": "eu-1"},
+        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "deployment.environment=prod,k8s.cluster.name=$(CLUSTER)"},
+        {"name": "WEBHOOK_TOKEN", "value": "t"},
+    ]})
+    assert [e["name"] for e in from_value["env"]] == ["POD_NAME", "CLUSTER", "WEBHOOK_TOKEN",
+                                                       "OTEL_RESOURCE_ATTRIBUTES"]
+    assert resource_attributes(kubelet_env(from_value, pod)) == {
+        "service.name": "durable-check", "service.version": __version__, "service.instance.id": pod,
+        "deployment.environment": "prod", "k8s.cluster.name": "eu-1",
+    }
+    # A key set in extraEnv comes after the chart's: the last of a key wins.
+    own_id = container_of({"extraEnv": [{"name": "OTEL_RESOURCE_ATTRIBUTES",
+                                          "value": "service.instance.id=checker-a"}]})
+    assert resource_attributes(kubelet_env(own_id, pod))["service.instance.id"] == "checker-a"
+    # From a ConfigMap: read under another name, then referenced.
+    from_configmap = container_of({"extraEnv": [{
+        "name": "OTEL_RESOURCE_ATTRIBUTES",
+        "valueFrom": {"configMapKeyRef": {"name": "otel-resource", "key": "attributes"}},
+    }]})
+    env = kubelet_env(from_configmap, pod, {"otel-resource/attributes": "deployment.environment=staging"})
+    assert resource_attributes(env)["deployment.environment"] == "staging"
+    assert resource_attributes(env)["service.instance.id"] == pod
+
+
+def test_replicas_violation_spans_carry_their_pod_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment two pods of the StatefulSet get, read by the real OTLP span exporter."""
+    container = container_of({"replicaCount": 2})
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    receiver = OtlpGrpcReceiver()
+    try:
+        for pod, n in (("example-durable-check-0", 1), ("example-durable-check-1", 2)):
+            monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", kubelet_env(container, pod)["OTEL_RESOURCE_ATTRIBUTES"])
+            exporter = OtlpSpanExporter(OtlpConfig(endpoint=receiver.endpoint, insecure=True), Telemetry())
+            exporter.export([make_violation(n)])
+            exporter.shutdown(5.0)
+        instances = sorted(
+            kv.value.string_value
+            for request in receiver.trace_requests
+            for resource_spans in request.resource_spans
+            for kv in resource_spans.resource.attributes
+            if kv.key == "service.instance.id"
+        )
+    finally:
+        receiver.stop()
+    assert instances == ["example-durable-check-0", "example-durable-check-1"]
+
+
 def test_probes_follow_tls() -> None:
     plain = workload(manifests({}))["spec"]["template"]["spec"]["containers"][0]
     assert plain["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "otlp-http"}
@@ -436,6 +545,36 @@ def test_collector_config_routes_sessions_to_the_headless_service() -> None:
                 assert component in collector[kind], f"pipeline {name}: {component} is not defined"
     assert pipelines["traces/durable-check"]["exporters"] == ["loadbalancing/durable-check"]
     assert any("otlp/" in e for e in pipelines["traces"]["exporters"]), "the tracing backend keeps every trace"
+
+
+def _loadbalancing_exporters(text: str) -> list[dict[str, Any]]:
+    """Every loadbalancing exporter configured in the YAML blocks (or the whole YAML) of ``text``."""
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.DOTALL) or [text]
+    found = []
+    for block in blocks:
+        document = yaml.safe_load(block)
+        exporters = document.get("exporters", {}) if isinstance(document, dict) else {}
+        found += [cfg for name, cfg in exporters.items() if name.split("/")[0] in {"loadbalancing", "load_balancing"}]
+    return found
+
+
+@pytest.mark.parametrize("source", ["config/otel-collector.yaml", "docs/scaling.md", "docs/deploy.md", "NOTES.txt"])
+def test_collector_snippets_queue_and_retry_on_the_exporter_itself(source: str) -> None:
+    """sending_queue and retry_on_failure under protocol.otlp are not what the exporter uses."""
+    if source == "NOTES.txt":
+        text = next(t for path, t in render({}).items() if path.endswith("NOTES.txt"))
+        # The Collector configuration of step 2: from "exporters:" to the blank line after it.
+        snippet = text[text.index("     exporters:"):].split("\n\n")[0]
+        exporters = _loadbalancing_exporters("\n".join(line[5:] for line in snippet.splitlines()))
+    else:
+        exporters = _loadbalancing_exporters((REPO / source).read_text(encoding="utf-8"))
+    assert exporters, f"{source}: no loadbalancing exporter"
+    for exporter in exporters:
+        otlp = exporter["protocol"]["otlp"]
+        assert not {"sending_queue", "retry_on_failure"} & set(otlp), f"{source}: queue or retry under protocol.otlp"
+        if source != "docs/deploy.md":  # deploy.md's short snippet leaves them to config/otel-collector.yaml
+            assert exporter["sending_queue"]["enabled"] is True
+            assert exporter["retry_on_failure"]["enabled"] is True
 
 
 def test_notes_tell_where_to_point_agents() -> None:

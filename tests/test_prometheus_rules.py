@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from exporters import PrometheusExporter, WebhookConfig, WebhookExporter
-from processor.telemetry import Telemetry
+from processor.telemetry import STATE_FAILURE_KINDS, Telemetry
 from tests.servers import LOCALHOST, free_port, make_violation, prometheus_server, require_binary, wait_until
 
 CONFIG = Path(__file__).resolve().parent.parent / "config"
@@ -103,4 +103,48 @@ def test_shipped_rules_fire_on_scraped_metrics(tmp_path: Path) -> None:
                 assert alert["state"] == "pending"
     finally:
         webhook.shutdown(0.5)
+        exporter.shutdown()
+
+
+@pytest.mark.servers
+def test_state_store_and_journal_alerts_on_scraped_metrics(tmp_path: Path) -> None:
+    """The state alerts against a real Prometheus scraping the metrics as a replica exposes them."""
+    telemetry = Telemetry()
+    exporter = PrometheusExporter(f"{LOCALHOST}:0", telemetry)
+    try:
+        # As the durable runner does: every failure kind born at zero, the outbox counted per exporter.
+        for kind in STATE_FAILURE_KINDS:
+            telemetry.state_failures.labels(kind)
+        telemetry.outbox_pending.labels("webhook").set(500)
+        telemetry.journal_bytes.set(300 * 1024 * 1024)
+        target = f"{LOCALHOST}:{exporter.port}"
+        with prometheus_server(tmp_path / "prometheus", [target], [RULES]) as prometheus:
+            wait_until(lambda: query(prometheus.url, 'durable_check_state_failures_total{kind="full"}'),
+                       timeout_s=30, what="the zero failure counter to be scraped")
+            # The disk fills: two failed commits; a lock wait, which alone alerts only when it lasts.
+            telemetry.state_failures.labels("full").inc(2)
+            telemetry.state_failures.labels("locked").inc()
+
+            def fired() -> dict[str, list[dict[str, Any]]] | None:
+                found = alerts(prometheus.url)
+                wanted = ("DurableCheckStateStoreFailing", "DurableCheckStateStoreErrors",
+                          "DurableCheckJournalFilling", "DurableCheckOutboxPending")
+                return found if all(name in found for name in wanted) else None
+
+            found = wait_until(fired, timeout_s=45, interval_s=0.5, what="the state alerts")
+            (failing,) = found["DurableCheckStateStoreFailing"]
+            assert failing["state"] == "firing"
+            assert failing["labels"]["kind"] == "full"
+            assert failing["labels"]["instance"] == target
+            assert failing["labels"]["severity"] == "critical"
+            # Those that must last are pending: the lock wait, the journal and the outbox backlog.
+            (errors,) = found["DurableCheckStateStoreErrors"]
+            assert (errors["state"], errors["labels"]["kind"]) == ("pending", "locked")
+            (journal,) = found["DurableCheckJournalFilling"]
+            assert journal["state"] == "pending"
+            assert journal["annotations"]["summary"] == (
+                f"The journal of Durable Check at {target} holds 300MiB not yet evaluated")
+            (outbox,) = found["DurableCheckOutboxPending"]
+            assert (outbox["state"], outbox["labels"]["exporter"]) == ("pending", "webhook")
+    finally:
         exporter.shutdown()

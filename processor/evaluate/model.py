@@ -44,8 +44,8 @@ which it is false do not touch the rule's state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from processor.violations import Severity

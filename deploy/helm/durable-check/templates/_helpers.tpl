@@ -155,4 +155,23 @@ in a way the schema cannot express.
 {{- if and .Values.podDisruptionBudget.enabled (hasKey .Values.podDisruptionBudget "minAvailable") (hasKey .Values.podDisruptionBudget "maxUnavailable") }}
 {{- fail "podDisruptionBudget: set minAvailable or maxUnavailable, not both" }}
 {{- end }}
+{{- /* The pod template merges extraEnv's OTEL_RESOURCE_ATTRIBUTES with service.instance.id=$(POD_NAME). */}}
+{{- $resourceAttributesEntries := 0 }}
+{{- range $index, $env := .Values.extraEnv }}
+{{- if has $env.name (list "POD_NAME" "DURABLE_CHECK_EXTRA_RESOURCE_ATTRIBUTES") }}
+{{- fail (printf "extraEnv[%d]: %s is set by the chart (it builds OTEL_RESOURCE_ATTRIBUTES' service.instance.id from the pod name); remove it" $index $env.name) }}
+{{- end }}
+{{- if eq $env.name "OTEL_RESOURCE_ATTRIBUTES" }}
+{{- $resourceAttributesEntries = add1 $resourceAttributesEntries }}
+{{- if gt $resourceAttributesEntries 1 }}
+{{- fail (printf "extraEnv[%d]: OTEL_RESOURCE_ATTRIBUTES is given twice; put all the attributes in one entry" $index) }}
+{{- end }}
+{{- $source := get $env "valueFrom" | default dict }}
+{{- range $kind := list "secretKeyRef" "configMapKeyRef" }}
+{{- if (get $source $kind | default dict).optional }}
+{{- fail (printf "extraEnv[%d].valueFrom.%s.optional: not for OTEL_RESOURCE_ATTRIBUTES, which the chart merges with its service.instance.id: a missing key would leave $(...) unexpanded and the whole variable invalid" $index $kind) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}

@@ -48,9 +48,16 @@ spec:
           containerPort: {{ .Values.ports.metrics.containerPort }}
           protocol: TCP
         {{- end }}
-      {{- if or (eq .Values.mode "deployment") .Values.auth.enabled .Values.extraEnv }}
-      # Secrets reach the configuration as ${env:VAR}, never through the ConfigMap.
       env:
+        # The pod's name tells the replicas apart in the violation spans and OTLP metrics
+        # they push (service.instance.id in OTEL_RESOURCE_ATTRIBUTES, below).
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        {{- if or (eq .Values.mode "deployment") .Values.auth.enabled }}
+        # Secrets reach the configuration as ${env:VAR}, never through the ConfigMap.
+        {{- end }}
         {{- if eq .Values.mode "deployment" }}
         - name: DURABLE_CHECK_POSTGRES_DSN
           valueFrom:
@@ -65,10 +72,26 @@ spec:
               name: {{ .Values.auth.existingSecret }}
               key: {{ .Values.auth.key }}
         {{- end }}
-        {{- with .Values.extraEnv }}
-        {{- toYaml . | nindent 8 }}
+        {{- /* extraEnv, except OTEL_RESOURCE_ATTRIBUTES: that one is merged into the chart's, last. */}}
+        {{- $resourceAttributes := list "service.instance.id=$(POD_NAME)" }}
+        {{- range .Values.extraEnv }}
+        {{- if ne .name "OTEL_RESOURCE_ATTRIBUTES" }}
+        - {{ toYaml . | nindent 10 | trim }}
+        {{- else if hasKey . "valueFrom" }}
+        # extraEnv's OTEL_RESOURCE_ATTRIBUTES comes from a Secret or ConfigMap: read under
+        # another name, then referenced below.
+        - name: DURABLE_CHECK_EXTRA_RESOURCE_ATTRIBUTES
+          valueFrom:
+            {{- toYaml .valueFrom | nindent 12 }}
+        {{- $resourceAttributes = append $resourceAttributes "$(DURABLE_CHECK_EXTRA_RESOURCE_ATTRIBUTES)" }}
+        {{- else if get . "value" }}
+        {{- $resourceAttributes = append $resourceAttributes (get . "value") }}
         {{- end }}
-      {{- end }}
+        {{- end }}
+        # Last, so that $(VAR) in extraEnv's OTEL_RESOURCE_ATTRIBUTES may name any extraEnv
+        # variable. Its entries follow the chart's, and the last of a key wins.
+        - name: OTEL_RESOURCE_ATTRIBUTES
+          value: {{ join "," $resourceAttributes | quote }}
       {{- with .Values.extraEnvFrom }}
       envFrom:
         {{- toYaml . | nindent 8 }}

@@ -317,6 +317,8 @@ def test_journal_depth_and_outbox_pending_are_published(tmp_path: Path) -> None:
     with reopened.unit():
         restarted.prune_in_unit()
     assert _gauge(again, "durable_check_outbox_pending", {"exporter": "webhook"}) == 1
+    # What the bound dropped is counted where exporters count what they give up on.
+    assert _gauge(again, "durable_check_exporter_dropped_total", {"exporter": "webhook"}) == 1
     reopened.close()
 
 

@@ -170,8 +170,10 @@ class Outbox:
         Also recounts the pending rows (the counts kept by difference are exact again once committed)."""
         store = self._store
         counted: dict[str, int] = {}
+        dropped_by: dict[str, int] = {}
 
         def op() -> None:
+            dropped_by.clear()  # the unit may run again after a failed attempt
             for name in self.exporters:
                 cut = store.execute(
                     "SELECT seq FROM outbox_pending WHERE exporter = ? ORDER BY seq DESC LIMIT 1 OFFSET ?",
@@ -181,6 +183,7 @@ class Outbox:
                     dropped = store.execute(
                         "DELETE FROM outbox_pending WHERE exporter = ? AND seq <= ?", (name, int(cut[0]))
                     ).rowcount
+                    dropped_by[name] = dropped
                     log.error("outbox: exporter %s has more than %d undelivered violations; dropped the %d oldest",
                               name, self.max_pending, dropped)
             cut = store.execute(
@@ -199,6 +202,10 @@ class Outbox:
         def committed() -> None:
             self.pending_counts = dict(counted)
             self._publish()
+            if self._telemetry is not None:
+                # Counted where exporters count what they give up on: the drop alert sees it.
+                for name, dropped in dropped_by.items():
+                    self._telemetry.exporter_dropped.labels(name).inc(dropped)
 
         store.in_unit(op, committed)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 import sqlite3
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 
 from processor.evaluate.engine import Engine, EngineOptions
@@ -507,3 +509,82 @@ def test_deliveries_confirmed_during_the_shutdown_flush_are_recorded(tmp_path: P
         pipeline.shutdown(1.0)
         hook.stop()
         store.close()
+
+
+def test_a_request_that_breaks_the_commit_is_set_aside_and_the_others_go_on(tmp_path: Path) -> None:
+    """A request whose state cannot be stored fails the same way on every retry: it must not stop the checker."""
+    import time
+
+    from processor.convert.spans import SpanConverter
+    from processor.receive.otlp_common import count_spans, parse_protobuf
+    from processor.receive.queue import Batch, IngestQueue
+    from processor.serve import build_pipeline
+    from processor.state.runner import DurableWorker
+    from processor.state.session import SessionState
+    from processor.telemetry import Telemetry
+    from tests.durable_support import workload
+    from tests.serve_support import serve_config
+    from tests.servers import wait_until
+
+    requests = workload(43, 3, 4, time.time_ns())
+    poisoned = sorted(requests)[1]
+
+    class UnstorableSession(SqliteStore):
+        # What an integer beyond 64 bits in a session's state did to the commit: a TypeError, every time.
+        def _write_state(self, sessions: dict[str, SessionState | None], timers: Any, engine: Any) -> Any:
+            if sessions.get(poisoned) is not None:
+                raise TypeError("Integer exceeds 64-bit range")
+            return super()._write_state(sessions, timers, engine)
+
+    path = tmp_path / "state.db"
+    config = serve_config(tmp_path, {
+        "evaluate": {"allowed_lateness": "50ms"},
+        "state": {"backend": "sqlite", "path": str(path)},
+    })
+    telemetry = Telemetry()
+    store = UnstorableSession(path)
+    pipeline = build_pipeline(config, telemetry, store)
+    assert pipeline.engine_factory is not None
+    queue = IngestQueue(100, 10_000, 1.0, telemetry)
+    worker = DurableWorker(queue, pipeline, store, pipeline.engine_factory, converter=SpanConverter(config.convert),
+                           hold=None, tick_interval_s=0.05, telemetry=telemetry)
+    worker.start()
+    try:
+        for bodies in requests.values():
+            for body in bodies:
+                request = parse_protobuf(body)
+                assert queue.try_put(Batch(request=request, span_count=count_spans(request), protocol="grpc",
+                                           origin="otlp-grpc", body=body)) is None
+        rejected = ("durable_check_spans_rejected_total", {"protocol": "journal", "reason": "evaluation_failed"})
+
+        def set_aside() -> float:
+            return telemetry.registry.get_sample_value(*rejected) or 0.0
+
+        def settled() -> bool:
+            return worker.stats.evaluated + set_aside() >= 12
+
+        wait_until(settled, timeout_s=30, what="every request evaluated or set aside")
+        outbox = Outbox(store, ["jsonl"])
+        sessions = {v.session_id for _, v in outbox.pending("jsonl")} | {
+            v.session_id for v in _read_jsonl_violations(tmp_path)
+        }
+        assert poisoned not in sessions
+        assert sessions, "the other sessions' violations were recorded"
+        assert worker.stats.evaluated == 8
+        assert set_aside() == 4
+    finally:
+        queue.close()
+        worker.drain(5.0)
+        pipeline.shutdown(1.0)
+        store.close()
+
+
+def _read_jsonl_violations(tmp: Path) -> list[Violation]:
+    out: list[Violation] = []
+    for file in tmp.rglob("*.jsonl"):
+        for line in file.read_bytes().splitlines():
+            doc = orjson.loads(line)
+            out.append(Violation(rule=doc["rule"], name=doc["name"], severity=doc["severity"],
+                                 session_id=doc["session_id"], action_id=doc["action_id"],
+                                 message=doc["message"], violation_id=doc["violation_id"]))
+    return out

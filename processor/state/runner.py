@@ -157,6 +157,10 @@ class DurableWorker:
         self._deadline = float("inf")
         self._broken_until = 0.0
         self._backoff_s = 0.0
+        # After an unexpected error in a chunk, its requests are evaluated one at a time
+        # (this many still to go) so that the one that fails alone can be set aside.
+        self._isolate_left = 0
+        self._poisoned: _Work | None = None
         self._ticks = 0
         self._last_maintain = 0.0
         self._started = threading.Event()
@@ -238,7 +242,9 @@ class DurableWorker:
                           exc_info=log.isEnabledFor(logging.DEBUG))
                 for batch in group:
                     _resolve(batch, error=ProcessingFailed("internal error; see the checker's log"))
-                self._recover("an unexpected error")
+                if self._recover("an unexpected error") and self._poisoned is not None:
+                    self._set_aside(self._poisoned)
+                self._poisoned = None
 
     def _resume(self) -> None:
         store = self._store
@@ -386,7 +392,8 @@ class DurableWorker:
 
     def _evaluate_some(self) -> None:
         assert self._journal is not None
-        chunk = [self._pending[i] for i in range(min(self._options.max_evaluate, len(self._pending)))]
+        limit = 1 if self._isolate_left else self._options.max_evaluate
+        chunk = [self._pending[i] for i in range(min(limit, len(self._pending)))]
         fresh: list[tuple[int, Violation]] = []
         found: list[list[Violation]] = []
         try:
@@ -401,6 +408,17 @@ class DurableWorker:
             if isinstance(exc, SessionOwnedElsewhere) and exc.moved:
                 self._hand_off(exc.moved)
             return
+        except Exception:
+            # Not a fault of the store: something in these requests breaks evaluation or
+            # its commit. Retrying the chunk would fail the same way for ever; narrow it
+            # down to the request that fails alone, which is then set aside.
+            if len(chunk) == 1:
+                self._poisoned = chunk[0]
+            else:
+                self._isolate_left = len(chunk)
+            raise
+        if self._isolate_left:
+            self._isolate_left -= 1
         for _ in chunk:
             self._pending.popleft()
         self._pending_since = time.monotonic()
@@ -413,6 +431,25 @@ class DurableWorker:
                 self._hold.note(violations)
                 if work.request is not None:
                     self._hold.add(work.request, now)
+
+    def _set_aside(self, work: _Work) -> None:
+        """Drop a journaled request that cannot be evaluated, so the rest go on; counted and logged."""
+        assert self._journal is not None
+        journal = self._journal
+        try:
+            with self._store.unit():
+                journal.done_in_unit([(work.entry_id, work.size)])
+        except StateError as exc:
+            self._failed("setting aside a request that cannot be evaluated", exc)
+            return
+        self._pending = collections.deque(w for w in self._pending if w.entry_id != work.entry_id)
+        self._isolate_left = max(0, self._isolate_left - 1)
+        items = work.items if work.items is not None else self._read_back(work)
+        spans = sum(1 for item in items if isinstance(item, Action))
+        if self._telemetry is not None:
+            self._telemetry.spans_rejected.labels("journal", "evaluation_failed").inc(spans)
+        log.error("a journaled request (entry %d) breaks evaluation and was set aside so that the others go on; "
+                  "run with debug logging to see why", work.entry_id)
 
     def _hand_off(self, moved: dict[str, str]) -> None:
         """Requests for sessions another replica took over (this one stalled past its lease) go to that replica."""

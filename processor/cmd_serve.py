@@ -8,8 +8,6 @@ import logging
 import sys
 from typing import Any
 
-from processor.config import load_config
-
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -29,6 +27,9 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: every other command (replay above all) would pay for the exporters it pulls in.
+    from processor.config import load_config
+
     config = load_config(args.config)  # ConfigError: the CLI prints every problem and exits 2
     from processor.serve import Server, build_pipeline, build_store, serve_until_signalled
     from processor.telemetry import Telemetry

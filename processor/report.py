@@ -1,47 +1,117 @@
-"""Replay's report, as text (the reference checker's shape) or as one JSON object."""
+"""Replay's report, as text (the reference checker's shape) or as one JSON object.
+
+Violations are reported in input order, which is not the order the engine finds them
+in (deadlines fire late, sessions interleave), so they are sorted before they are
+written. The report holds a bounded number in memory; past that it writes sorted
+runs to temporary files and merges them while it writes the report, so its memory
+does not grow with the input.
+"""
 
 from __future__ import annotations
 
+import heapq
+import io
+import tempfile
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import IO, Any, Final, TextIO
 
 import orjson
 
-from processor.records import Action, Malformed
 from processor.violations import Violation
 
+# Violations held in memory before a sorted run goes to a temporary file.
+SPILL_AT: Final = 20_000
+# A string no summary holds: where the streamed violations go in the JSON document.
+_VIOLATIONS_MARK: Final = "\x00violations\x00"
+_NESTED_INDENT: Final = "    "  # the violations list sits two levels deep in the JSON document
 
-@dataclass
+SortKey = tuple[int, int, int, str, str]
+
+
 class Report:
-    inputs: list[str]
-    actions: int = 0
-    malformed: int = 0
-    violations: list[Violation] = field(default_factory=list)
-    unreadable: list[str] = field(default_factory=list)
-    summary: Any = None
+    def __init__(self, inputs: list[str], *, spill_at: int = SPILL_AT) -> None:
+        self.inputs = inputs
+        self.actions = 0
+        self.malformed = 0
+        self.unreadable: list[str] = []
+        self.summary: Any = None
+        self.violations_by_rule: Counter[str] = Counter()
+        self._position = {name: index for index, name in enumerate(inputs)}
+        self._held: list[Violation] = []
+        self._runs: list[IO[bytes]] = []
+        self._spill_at = max(1, spill_at)
 
-    def count(self, items: Iterable[Action | Malformed]) -> None:
-        for item in items:
-            if isinstance(item, Action):
-                self.actions += 1
-            else:
-                self.malformed += 1
+    @property
+    def violation_count(self) -> int:
+        return self.violations_by_rule.total()
+
+    def tally(self, actions: int, malformed: int) -> None:
+        """Count a batch the reader has already counted (replay does not walk its items again)."""
+        self.actions += actions
+        self.malformed += malformed
 
     def add(self, violations: Iterable[Violation]) -> None:
-        self.violations.extend(violations)
+        for violation in violations:
+            self.violations_by_rule[violation.rule] += 1
+            self._held.append(violation)
+        if len(self._held) >= self._spill_at:
+            self._spill()
 
-    def ordered(self) -> list[Violation]:
-        """Input order: by input, then line (logs) or time (spans), then rule id."""
-        position = {name: i for i, name in enumerate(self.inputs)}
+    def ordered(self) -> Iterator[Violation]:
+        """Input order: by input, then line (logs) or time (spans), then rule id; ties in arrival order."""
+        held = sorted(self._held, key=self._key)
+        if not self._runs:
+            return iter(held)
+        # heapq.merge takes equal keys from earlier iterables first: runs in the order written, then held.
+        return heapq.merge(*(_read_run(run) for run in self._runs), held, key=self._key)
 
-        def key(v: Violation) -> tuple[int, int, int, str, str]:
-            origin_index = position.get(v.origin, len(position))
-            line = v.line if v.line is not None else 0
-            return (origin_index, line, v.time_ns or 0, v.session_id, v.rule)
+    def close(self) -> None:
+        """Remove the temporary files (they also go when the process ends)."""
+        for run in self._runs:
+            run.close()
+        self._runs.clear()
 
-        return sorted(self.violations, key=key)
+    def _key(self, v: Violation) -> SortKey:
+        origin_index = self._position.get(v.origin, len(self._position))
+        line = v.line if v.line is not None else 0
+        return (origin_index, line, v.time_ns or 0, v.session_id, v.rule)
+
+    def _spill(self) -> None:
+        self._held.sort(key=self._key)
+        # Open until close(): the run is read back when the report is written.
+        run = tempfile.TemporaryFile()  # noqa: SIM115
+        run.writelines(orjson.dumps(v.to_json()) + b"\n" for v in self._held)
+        self._runs.append(run)
+        self._held.clear()
+
+
+def _read_run(run: IO[bytes]) -> Iterator[Violation]:
+    run.seek(0)  # each ordered() reads the run from its start
+    for line in run:
+        yield _violation_from_json(orjson.loads(line))
+
+
+def _violation_from_json(doc: dict[str, Any]) -> Violation:
+    """The inverse of Violation.to_json, which writes every field it has."""
+    return Violation(
+        rule=doc["rule"],
+        name=doc["name"],
+        severity=doc["severity"],
+        session_id=doc["session_id"],
+        action_id=doc["action_id"],
+        message=doc["message"],
+        violation_id=doc["violation_id"],
+        time_ns=doc.get("time_unix_nano"),
+        line=doc.get("line"),
+        origin=doc.get("origin", ""),
+        trace_id=doc.get("trace_id", ""),
+        span_id=doc.get("span_id", ""),
+        service=doc.get("service", ""),
+        kind=doc.get("kind", ""),
+        tags=tuple(doc.get("tags", ())),
+        details=doc.get("details", {}),
+    )
 
 
 def _where(v: Violation, several_inputs: bool) -> str:
@@ -54,20 +124,26 @@ def _where(v: Violation, several_inputs: bool) -> str:
     return " ".join(parts)
 
 
-def render_text(report: Report) -> str:
+def write_text(report: Report, out: TextIO) -> None:
     several = len(report.inputs) > 1
-    lines = [f"{_where(v, several)}: {v.rule} {v.name}: {v.message}" for v in report.ordered()]
-    lines.extend(_summary_text(report.summary))
+    for v in report.ordered():
+        out.write(f"{_where(v, several)}: {v.rule} {v.name}: {v.message}\n")
+    for line in _summary_text(report.summary):
+        out.write(line + "\n")
     for problem in report.unreadable:
-        lines.append(f"unreadable: {problem}")
-    total = len(report.violations)
-    by_rule = Counter(v.rule for v in report.violations)
-    rules = ", ".join(f"{rule}×{n}" for rule, n in sorted(by_rule.items()))
+        out.write(f"unreadable: {problem}\n")
+    total = report.violation_count
+    rules = ", ".join(f"{rule}×{n}" for rule, n in sorted(report.violations_by_rule.items()))
     if total:
-        lines.append(f"FAIL: {total} violation(s) in {report.actions} action(s) [{rules}]")
+        out.write(f"FAIL: {total} violation(s) in {report.actions} action(s) [{rules}]\n")
     else:
-        lines.append(f"OK: {report.actions} action(s), no violations")
-    return "\n".join(lines) + "\n"
+        out.write(f"OK: {report.actions} action(s), no violations\n")
+
+
+def render_text(report: Report) -> str:
+    buffer = io.StringIO()
+    write_text(report, buffer)
+    return buffer.getvalue()
 
 
 def _summary_text(summary: Any) -> list[str]:
@@ -77,14 +153,35 @@ def _summary_text(summary: Any) -> list[str]:
     return lines
 
 
-def render_json(report: Report) -> str:
+def write_json(report: Report, out: TextIO) -> None:
+    """One JSON object (two-space indent); the violations are written one at a time into it."""
     doc: dict[str, Any] = {
         "inputs": report.inputs,
         "actions": report.actions,
         "malformed": report.malformed,
-        "violations": [v.to_json() for v in report.ordered()],
+        "violations": [_VIOLATIONS_MARK] if report.violation_count else [],
         "unreadable": report.unreadable,
     }
     if report.summary is not None and hasattr(report.summary, "to_json"):
         doc.update(report.summary.to_json())
-    return orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n"
+    text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+    mark = f'{_NESTED_INDENT}"{orjson.dumps(_VIOLATIONS_MARK).decode()[1:-1]}"'
+    before, found, after = text.partition(mark)
+    if not found:
+        out.write(text + "\n")
+        return
+    out.write(before)
+    first = True
+    for v in report.ordered():
+        if not first:
+            out.write(",\n")
+        first = False
+        element = orjson.dumps(v.to_json(), option=orjson.OPT_INDENT_2).decode()
+        out.write(_NESTED_INDENT + element.replace("\n", "\n" + _NESTED_INDENT))
+    out.write(after + "\n")
+
+
+def render_json(report: Report) -> str:
+    buffer = io.StringIO()
+    write_json(report, buffer)
+    return buffer.getvalue()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 
 from processor.convert import parse_line
-from processor.records import REQUIRED_FIELDS, Action, Malformed
+from processor.convert.actionlog import parse_lines
+from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
 
 SEEDS = Path(__file__).parent / "testdata" / "readers"
 
@@ -112,3 +115,54 @@ def test_the_skill_fixture_lines_parse() -> None:
     for verdict in verdicts:
         if isinstance(verdict, Action):
             assert all(verdict.record.get(field) for field in REQUIRED_FIELDS)
+
+
+def _lines_for_parse_lines() -> list[bytes]:
+    """Lines of every kind parse_line tells apart, each field of each type, good and bad."""
+    base = {"session_id": "s", "action_id": "a", "kind": "write", "status": "ok"}
+    samples: list[Any] = ["text", "", 0, 3, -1, 2.5, 4.0, True, False, None, [1], {"k": 1}]
+    lines = [
+        b"",
+        b"   ",
+        b"# a comment",
+        b"  # indented comment",
+        b"\xef\xbb\xbf" + orjson.dumps(base),
+        orjson.dumps(base) + b"\r",
+        b"\t" + orjson.dumps(base) + b" \x0c",
+        b"{not json",
+        b'{"session_id": "s",}',
+        b"\xff\xfe",
+        b"[1, 2]",
+        b"42",
+        b'"a string"',
+        b"null",
+        orjson.dumps(base) + b" trailing",
+        orjson.dumps({**base, "time": "2026-11-01T09:14:00.25Z"}),
+        orjson.dumps({**base, "time": "2026-11-01T10:14:00+01:00"}),
+        orjson.dumps({**base, "time": "yesterday"}),
+        orjson.dumps({**base, "time": 1_793_524_440}),
+        orjson.dumps({**base, "prompt": "extra fields ride along", "nested": {"deep": [1, 2]}}),
+    ]
+    for name in REQUIRED_FIELDS:
+        lines.append(orjson.dumps({k: v for k, v in base.items() if k != name}))
+    for name in FIELD_TYPES:
+        for value in samples:
+            lines.append(orjson.dumps({**base, name: value}))
+    return lines
+
+
+def test_parse_lines_gives_what_parse_line_gives_line_by_line() -> None:
+    lines = _lines_for_parse_lines()
+    expected: list[Action | Malformed] = []
+    seq = 5
+    for number, raw in enumerate(lines, start=10):
+        item = parse_line(raw, "log.jsonl", number, seq)
+        if item is not None:
+            seq += isinstance(item, Action)
+            expected.append(item)
+    out: list[Action | Malformed] = []
+    next_seq = parse_lines(lines, "log.jsonl", 10, 5, out)
+    assert out == expected
+    assert next_seq == seq
+    kinds = {type(item) for item in out}
+    assert kinds == {Action, Malformed}, "the sample holds both good and bad lines"

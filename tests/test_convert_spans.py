@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import orjson
 import pytest
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from processor.convert import (
@@ -482,3 +485,145 @@ def test_format_rfc3339_round_trips() -> None:
     for time_ns in (0, 1_793_524_440_000_000_000, 1_793_524_440_100_000_000, 1_793_524_440_000_000_001):
         assert parse_rfc3339(format_rfc3339(time_ns)) == time_ns
     assert format_rfc3339(1_793_524_440_100_000_000) == "2026-11-01T09:14:00.1Z"
+
+
+# -- convert_serialized: the mapped reading must answer as the official parser ------------------
+
+
+def _both_readings(data: bytes, options: ConvertOptions | None = None) -> tuple[Any, Any]:
+    """(convert of the official parse, convert_serialized) of the same bytes, as comparable tuples."""
+    converter = SpanConverter(options)
+    official = converter.convert(ExportTraceServiceRequest.FromString(data), "wire", 7)
+    mapped = converter.convert_serialized(data, "wire", 7)
+
+    def summary(result: Any) -> Any:
+        return (result.items, result.spans_total, result.spans_not_actions, result.resource_spans)
+
+    return summary(official), summary(mapped)
+
+
+def _fixture_wire(name: str) -> bytes:
+    return bytes(reference_request(_fixture(name)).SerializeToString())
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("telemetry_is_log", [False, True])
+def test_serialized_requests_convert_as_parsed_ones(profile: str, telemetry_is_log: bool) -> None:
+    official, mapped = _both_readings(_fixture_wire(profile), ConvertOptions(telemetry_is_log=telemetry_is_log))
+    assert official[0], "the fixture converts to something"
+    assert mapped == official
+
+
+def test_a_repeated_attribute_key_keeps_its_last_value_in_both_readings() -> None:
+    message = request(({}, [SpanSpec("pay", {"durable.action.kind": "write", "durable.action.id": "a1"})]))
+    span = message.resource_spans[0].scope_spans[0].spans[0]
+    again = span.attributes.add()
+    again.key = "durable.action.kind"
+    again.value.string_value = "payment"
+    official, mapped = _both_readings(message.SerializeToString())
+    assert mapped == official
+    item = official[0][0]
+    assert isinstance(item, Action) and item.record["kind"] == "payment"
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_several_problems_of_a_span_are_told_in_attribute_order(reverse: bool) -> None:
+    attributes: dict[str, Any] = {"durable.action.kind": "write", "durable.retry.attempt": "two"}
+    attributes["durable.session.id"] = 5.5
+    if reverse:
+        attributes = dict(reversed(attributes.items()))
+    data = request(({}, [SpanSpec("w", attributes)])).SerializeToString()
+    official, mapped = _both_readings(data)
+    assert mapped == official
+    item = official[0][0]
+    assert isinstance(item, Malformed)
+    positions = [item.message.index(key) for key in attributes if key != "durable.action.kind"]
+    assert positions == sorted(positions)
+
+
+def test_a_key_value_with_a_field_of_its_own_is_not_lost() -> None:
+    """A KeyValue carrying a field OTLP does not define: the official reading keeps the attribute."""
+    message = request(({}, [SpanSpec("w", {"durable.action.id": "a1"})]))
+    entry = b"\n\x13durable.action.kind\x12\x07\n\x05write"
+    # Field 9, varint 1: unknown to KeyValue, kept by the parser that reads it.
+    message.resource_spans[0].scope_spans[0].spans[0].attributes.add().MergeFromString(entry + b"\x48\x01")
+    data = message.SerializeToString()
+    assert entry + b"\x48\x01" in data
+    official, mapped = _both_readings(data)
+    assert mapped == official
+    item = official[0][0]
+    assert isinstance(item, Action) and item.record["kind"] == "write"
+
+
+def test_serialized_garbage_raises_as_the_official_parser_does() -> None:
+    """Seeded mutations of real requests: the same DecodeError, or the same items."""
+    rng = random.Random(20261129)
+    seeds = [_fixture_wire(profile) for profile in PROFILES]
+    compared = 0
+    for _ in range(1500):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(data))
+            if rng.random() < 0.6:
+                data[at] = rng.randrange(256)
+            else:
+                del data[at : at + rng.randint(1, 6)]
+        try:
+            ExportTraceServiceRequest.FromString(bytes(data))
+        except DecodeError:
+            with pytest.raises(DecodeError):
+                SpanConverter().convert_serialized(bytes(data))
+            continue
+        official, mapped = _both_readings(bytes(data))
+        assert mapped == official
+        compared += 1
+    assert compared > 50, "too few mutations parsed to compare anything"
+
+
+def test_spans_with_and_without_durable_action_events_convert_alike() -> None:
+    # "durable.action.id" holds the event name's bytes followed by "."; a real event does not.
+    keyed = SpanSpec("k", {"durable.action.kind": "write", "durable.action.id": "a1"})
+    evented = SpanSpec(
+        "e",
+        {"durable.session.id": "s1"},
+        span_id="00f067aa0ba902b8",
+        events=[("durable.action", 1_793_524_441_000_000_000, {"durable.action.kind": "checkpoint"})],
+    )
+    for spans in ([keyed], [keyed, evented]):
+        official, mapped = _both_readings(request(({}, spans)).SerializeToString())
+        assert mapped == official
+    assert [type(item) for item in official[0]] == [Action, Action]
+
+
+def test_the_cached_timestamp_path_agrees_with_the_general_parser() -> None:
+    """parse_rfc3339 answers common UTC forms from a per-second cache; mutations probe its edges."""
+    from processor.convert.timefmt import _parse
+
+    rng = random.Random(3339)
+    samples = [
+        "2026-11-02T09:14:00Z",
+        "2026-11-02T09:14:00.5Z",
+        "2026-11-02T09:14:00.123456789123Z",
+        "2026-11-02t09:14:00z",
+        "2026-11-02 09:14:00.000000000Z",
+        "2026-02-30T09:14:00Z",
+        "2026-11-02T09:14:60Z",
+        "2026-11-02T09:14:00+01:00",
+        "\u0662\u0660\u0662\u0666-11-02T09:14:00Z",
+        "2026-11-02T09:14:00.\u0665Z",
+        "2026-11-02T09:14:00.\u00b2Z",
+    ]
+    alphabet = "0123456789-:T.Zz+ t\u0665\u00b2\n"
+    for _ in range(20_000):
+        chars = list(rng.choice(samples))
+        for _ in range(rng.randint(0, 3)):
+            at = rng.randrange(len(chars) + 1)
+            if rng.random() < 0.5 and at < len(chars):
+                chars[at] = rng.choice(alphabet)
+            elif rng.random() < 0.5:
+                chars.insert(at, rng.choice(alphabet))
+            elif at < len(chars):
+                del chars[at]
+        text = "".join(chars)
+        assert parse_rfc3339(text) == _parse(text), text
+        assert parse_rfc3339(text) == _parse(text), text  # the second answer comes from the cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import random
 import struct
 import sys
 import tracemalloc
@@ -17,8 +18,14 @@ import zstandard
 
 from processor.convert import ConvertOptions, SpanConverter, decode_traces
 from processor.errors import InputError
-from processor.receive._streams import frames, lines
-from processor.receive.files import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, FORMATS, read_input
+from processor.receive._streams import TooLong, frames, line_blocks, lines
+from processor.receive.files import (
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    FORMATS,
+    read_batches,
+    read_input,
+)
 from processor.records import Action, Malformed
 from tests._spans import TESTDATA, check_golden, golden_lines, otlp_json_from_request, reference_request
 
@@ -441,3 +448,37 @@ def test_flattened_model_replies_survive_json_decoding_when_telemetry_is_the_log
     assert not any(
         "result" in i.record for i in _read(path) if isinstance(i, Action) and i.record["kind"] == "llm_call"
     )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_line_blocks_split_as_lines_does(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(300):
+        data = bytes(rng.choice(b"ab\n\n\r ") for _ in range(rng.randint(0, 80)))
+        data = data.replace(b"a", b"a" * rng.randint(1, 14))
+        chunk_size = rng.randint(1, 24)
+        max_line = rng.randint(0, 12)
+
+        def shown(raw: bytes | TooLong) -> object:
+            return raw if isinstance(raw, bytes) else ("too long", raw.size_at_least)
+
+        expected = [shown(raw) for _, raw in lines(_chunked(data, chunk_size), max_line)]
+        blocks = list(line_blocks(_chunked(data, chunk_size), max_line))
+        assert [shown(raw) for block, _ in blocks for raw in block] == expected
+        for block, has_too_long in blocks:
+            assert has_too_long == any(isinstance(raw, TooLong) for raw in block)
+
+
+def test_batches_count_their_actions_and_hold_the_items_in_order(tmp_path: Path) -> None:
+    good = b'{"session_id":"s","action_id":"a%d","kind":"write","status":"ok"}\n'
+    body = b"".join(good % n if n % 7 else b"not json\n" for n in range(10_000))
+    target = tmp_path / "mixed.jsonl"
+    target.write_bytes(body + b'{"session_id":"s"')  # a last line without its end
+    batches = list(read_batches(str(target)))
+    items = [item for batch in batches for item in batch.items]
+    assert golden_lines(items) == golden_lines(read_input(str(target)))
+    assert sum(batch.actions for batch in batches) == sum(isinstance(i, Action) for i in items) == 10_000 - 1_429
+    assert sum(batch.malformed for batch in batches) == 1_429 + 1
+    assert [i.line for i in items] == list(range(1, 10_002))
+    assert [i.seq for i in items if isinstance(i, Action)] == list(range(8_571))
+    assert max(len(batch.items) for batch in batches) <= 4096

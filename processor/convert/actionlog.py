@@ -7,12 +7,26 @@ ride along for the rules that want them).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Final
 
 import orjson
 
 from processor.convert.timefmt import parse_rfc3339
-from processor.records import Action, Malformed, json_type_name, validate_record
+from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed, json_type_name, validate_record
+
+# The Python types orjson gives for each typed field, from the same table validate_record
+# reads: a record passes this check exactly when validate_record finds nothing.
+_PYTHON_TYPES: Final[dict[str, tuple[type, ...]]] = {
+    "str": (str,),
+    "int": (int,),
+    "number": (int, float),
+    "bool": (bool,),
+    "str|int": (str, int),
+}
+_ACCEPTED: Final[dict[str, frozenset[type]]] = {
+    name: frozenset(_PYTHON_TYPES[kind]) for name, kind in FIELD_TYPES.items() if kind != "any"
+}
 
 
 def _id_or_empty(record: dict[str, Any], name: str) -> str:
@@ -61,3 +75,51 @@ def parse_line(raw: bytes, origin: str, line: int, seq: int = 0) -> Action | Mal
         time_ns=parse_rfc3339(when) if isinstance(when, str) else None,
         seq=seq,
     )
+
+
+def parse_lines(
+    raw_lines: Sequence[bytes], origin: str, first_line: int, seq: int, out: list[Action | Malformed]
+) -> int:
+    """``parse_line`` over consecutive lines, appending to ``out``; returns the next ``seq``.
+
+    The same items as calling parse_line line by line (``seq`` counting actions), at a
+    fraction of the cost: a well-formed line takes one orjson call, one pass over its
+    fields and the Action; anything else (blank, comment, bad JSON, a problem) goes
+    through parse_line for its message.
+    """
+    loads = orjson.loads
+    decode_error = orjson.JSONDecodeError
+    accepted = _ACCEPTED
+    required = REQUIRED_FIELDS
+    append = out.append
+    number = first_line - 1
+    for raw in raw_lines:
+        number += 1
+        try:
+            record = loads(raw)
+        except decode_error:
+            record = None
+        if type(record) is dict:
+            well_formed = True
+            for name in required:
+                value = record.get(name)
+                if type(value) is not str or not value:
+                    well_formed = False
+                    break
+            if well_formed:
+                for name, value in record.items():
+                    types = accepted.get(name)
+                    if types is not None and value is not None and type(value) not in types:
+                        well_formed = False
+                        break
+            if well_formed:
+                when = record.get("time")
+                append(Action(record, "log", origin, number, parse_rfc3339(when) if type(when) is str else None, seq))
+                seq += 1
+                continue
+        item = parse_line(raw, origin, number, seq)
+        if item is not None:
+            if isinstance(item, Action):
+                seq += 1
+            append(item)
+    return seq

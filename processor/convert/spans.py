@@ -14,8 +14,13 @@ are counted, not converted.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from processor.convert.classify import ToolClassifier
 from processor.convert.options import ConvertOptions
@@ -28,6 +33,7 @@ from processor.convert.profiles import (
     HOST_NAME,
     IDENTITY_FIELDS,
     OI_OUTPUT_MESSAGES_PREFIX,
+    PROBE_FIELDS,
     PROCESS_PID,
     RESOURCE_KEYS,
     SERVICE_INSTANCE_ID,
@@ -41,15 +47,22 @@ from processor.convert.profiles import (
     typed,
 )
 from processor.convert.timefmt import format_rfc3339
+from processor.convert.wire import MappedTracesData
 from processor.records import Action, Malformed, Record
 
 _STATUS_CODE_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 _ZERO_TRACE_ID: Final = bytes(16)
 _ZERO_SPAN_ID: Final = bytes(8)
 _FIELD_RANK: Final = {attribute.field: rank for rank, attribute in enumerate(DURABLE_ATTRIBUTES)}
+# Per durable.* key: (record field, the AnyValue field to try first, the expected type).
+_DURABLE_SPECS: Final = {a.key: (a.field, PROBE_FIELDS[a.type], a.type) for a in DURABLE_ATTRIBUTES}
 _NS_PER_S: Final = 1_000_000_000
 # Span names are quoted in messages; a runaway name must not make a runaway message.
 _NAME_LIMIT: Final = 200
+# Distinct attribute orders remembered by _field_order; a bound against adversarial input.
+_ORDERS_LIMIT: Final = 1024
+# The event name's bytes not followed by "." (see _may_hold_durable_events).
+_DURABLE_EVENT_NAME_ALONE: Final = re.compile(re.escape(DURABLE_EVENT_NAME.encode()) + rb"(?!\.)")
 
 
 @dataclass(slots=True)
@@ -62,6 +75,12 @@ class ConvertResult:
     spans_not_actions: int = 0
     # Actions and rejected spans together, in span order (what a file reader yields).
     items: list[Action | Malformed] = field(default_factory=list)
+    # ResourceSpans in the request (a message holding none holds nothing of OTLP).
+    resource_spans: int = 0
+
+
+class _NeedsOfficialReading(Exception):
+    """The mapped reading cannot tell this request as the official one would (see convert_serialized)."""
 
 
 @dataclass(slots=True)
@@ -96,6 +115,7 @@ class SpanConverter:
         self._scan_output_prefix = self.options.telemetry_is_log and self.options.openinference
         # Spans of one request mostly share their second: reuse its formatted prefix.
         self._last_second: tuple[int, str] = (-1, "")
+        self._orders: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     # -- public -------------------------------------------------------------------------
 
@@ -106,15 +126,83 @@ class SpanConverter:
     def convert(self, request: Any, origin: str = "", seq_start: int = 0) -> ConvertResult:
         """``request``: an ExportTraceServiceRequest or a TracesData (both hold resource_spans)."""
         out = ConvertResult()
+        wanted = self._wanted
+        spans_total = spans_not_actions = 0
         for resource_spans in request.resource_spans:
+            out.resource_spans += 1
             resource = self._read_resource(resource_spans.resource)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    out.spans_total += 1
-                    before = len(out.items)
-                    self._convert_span(span, resource, origin, seq_start, out)
-                    if len(out.items) == before:
-                        out.spans_not_actions += 1
+                    spans_total += 1
+                    found: dict[str, AnyValue] = {}
+                    for kv in span.attributes:
+                        key = kv.key
+                        if key in wanted:
+                            found[key] = kv.value
+                    if not self._convert_span(
+                        span,
+                        found,
+                        mapped=False,
+                        events=True,
+                        resource=resource,
+                        origin=origin,
+                        seq_start=seq_start,
+                        out=out,
+                    ):
+                        spans_not_actions += 1
+        out.spans_total = spans_total
+        out.spans_not_actions = spans_not_actions
+        return out
+
+    def convert_serialized(self, data: bytes, origin: str = "", seq_start: int = 0) -> ConvertResult:
+        """``convert(ExportTraceServiceRequest.FromString(data))``, at a fraction of the cost.
+
+        Raises DecodeError when, and only when, the official parser does. The bytes are
+        read with span attributes as a map (see ``wire``). Two things send the request
+        through the official parser instead: a span whose several problems must be told
+        in attribute order, which a map does not keep; and a span with unknown fields,
+        where a KeyValue carrying a field of its own may hide (the parser keeps such a
+        map entry among the span's unknown fields rather than in the map).
+        """
+        try:
+            request = MappedTracesData.FromString(data)
+        except DecodeError:
+            # What is malformed is the official parser's call.
+            return self.convert(ExportTraceServiceRequest.FromString(data), origin, seq_start)
+        try:
+            return self._convert_mapped(request, origin, seq_start, _may_hold_durable_events(data))
+        except _NeedsOfficialReading:
+            return self.convert(ExportTraceServiceRequest.FromString(data), origin, seq_start)
+
+    def _convert_mapped(self, request: Any, origin: str, seq_start: int, events: bool) -> ConvertResult:
+        out = ConvertResult()
+        wanted = self._wanted
+        unknown_fields = UnknownFieldSet
+        spans_total = spans_not_actions = 0
+        for resource_spans in request.resource_spans:
+            out.resource_spans += 1
+            resource = self._read_resource(resource_spans.resource)
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    spans_total += 1
+                    if unknown_fields(span):
+                        raise _NeedsOfficialReading
+                    attributes = span.attributes
+                    # The keys are compared in C; only the values wanted are fetched.
+                    found = {key: attributes[key] for key in wanted.intersection(attributes)}
+                    if not self._convert_span(
+                        span,
+                        found,
+                        mapped=True,
+                        events=events,
+                        resource=resource,
+                        origin=origin,
+                        seq_start=seq_start,
+                        out=out,
+                    ):
+                        spans_not_actions += 1
+        out.spans_total = spans_total
+        out.spans_not_actions = spans_not_actions
         return out
 
     # -- resource -------------------------------------------------------------------------
@@ -143,44 +231,68 @@ class SpanConverter:
         marked = False
         if not self.options.durable:
             return fields, problems, marked
+        specs = _DURABLE_SPECS
         for key, value in found.items():
-            spec = DURABLE_BY_KEY.get(key)
+            spec = specs.get(key)
             if spec is None:
                 continue
-            if spec.field != "session_id":
+            field_name, probe, expected = spec
+            if field_name != "session_id":
                 marked = True
-            ok, converted = typed(value, spec.type)
+            usual = getattr(value, probe)
+            if usual:
+                fields[field_name] = usual
+                continue
+            ok, converted = typed(value, expected)
             if ok:
-                fields[spec.field] = converted
+                fields[field_name] = converted
             else:
-                problems[key] = f"{what} {key} must be {TYPE_WORDS[spec.type]}, got {type_word(value)}"
+                problems[key] = f"{what} {key} must be {TYPE_WORDS[expected]}, got {type_word(value)}"
         return fields, problems, marked
 
-    def _convert_span(self, span: Any, resource: _Resource, origin: str, seq_start: int, out: ConvertResult) -> None:
-        found: dict[str, AnyValue] = {}
-        wanted = self._wanted
-        for kv in span.attributes:
-            key = kv.key
-            if key in wanted:
-                found[key] = kv.value
+    def _convert_span(
+        self,
+        span: Any,
+        found: dict[str, AnyValue],
+        *,
+        mapped: bool,
+        events: bool,
+        resource: _Resource,
+        origin: str,
+        seq_start: int,
+        out: ConvertResult,
+    ) -> bool:
+        """Append the span's items to ``out``; False when it gave none (not an action).
+
+        ``found``: the span's attributes of the keys some profile reads; ``mapped``: the
+        span comes from MappedTracesData (its attributes are a map); ``events``: false
+        when no span of the request can hold a ``durable.action`` event.
+        """
+        own: dict[str, Any]
+        problems: dict[str, str]
         if self._durable_keys and not self._durable_keys.isdisjoint(found):
             own, problems, marked = self._durable_fields(found, "attribute")
+            if mapped and len(problems) > 1:
+                # Several problems are told in attribute order, which a map does not keep.
+                raise _NeedsOfficialReading
         else:
             own, problems, marked = {}, {}, False
 
         verdict: Verdict | None = None
-        telemetry_is_log = self.options.telemetry_is_log
-        for profile_verdict in self._verdicts:
-            verdict = profile_verdict(found, telemetry_is_log)
-            if verdict is not None:
-                break
-        if verdict is not None and verdict.kind == CONTAINER:
-            verdict = None
+        if found:  # every profile's verdict starts from an attribute it reads
+            telemetry_is_log = self.options.telemetry_is_log
+            for profile_verdict in self._verdicts:
+                verdict = profile_verdict(found, telemetry_is_log)
+                if verdict is not None:
+                    break
+            if verdict is not None and verdict.kind == CONTAINER:
+                verdict = None
 
-        has_events = self.options.durable and len(span.events) > 0
+        has_events = events and self.options.durable and len(span.events) > 0
         if not (marked or verdict is not None or has_events):
-            return
+            return False
 
+        appended = False
         session = self._session(own, found, resource, span)
         if marked or verdict is not None:
             if (
@@ -188,7 +300,7 @@ class SpanConverter:
                 and verdict.kind == "llm_call"
                 and not verdict.result_recorded
                 and self._scan_output_prefix
-                and any(kv.key.startswith(OI_OUTPUT_MESSAGES_PREFIX) for kv in span.attributes)
+                and _has_key_prefix(span.attributes, mapped, OI_OUTPUT_MESSAGES_PREFIX)
             ):
                 verdict = Verdict(verdict.kind, verdict.tool_name, True)
             action_id = _first_text(own, found, self._action_id_keys)
@@ -198,18 +310,20 @@ class SpanConverter:
                 resource=resource,
                 origin=origin,
                 own=own,
-                problems=list(problems.values()),
+                problems=list(problems.values()) if problems else [],
                 verdict=verdict,
                 session=session,
                 action_id=action_id,
                 default_status=default_status,
                 time_ns=span.start_time_unix_nano,
                 index=0,
+                seq=seq_start + len(out.actions),
             )
-            _append(out, item, seq_start)
+            _append(out, item)
+            appended = True
 
         if not has_events:
-            return
+            return appended
         # A mistyped durable.session.id on the span spoils the events that rely on it.
         session_problem = problems.get(DURABLE_SESSION_KEY)
         for index, event in enumerate(span.events, start=1):
@@ -221,7 +335,6 @@ class SpanConverter:
                     event_found[kv.key] = kv.value
             event_own, event_problems, _ = self._durable_fields(event_found, "event attribute")
             event_session = event_own.get("session_id") or session
-            action_id = event_own.get("action_id") or None
             item = self._build(
                 span,
                 resource=resource,
@@ -231,12 +344,15 @@ class SpanConverter:
                 + list(event_problems.values()),
                 verdict=None,
                 session=event_session,
-                action_id=action_id,
+                action_id=event_own.get("action_id") or None,
                 default_status="ok",
                 time_ns=event.time_unix_nano or span.start_time_unix_nano,
                 index=index,
+                seq=seq_start + len(out.actions),
             )
-            _append(out, item, seq_start)
+            _append(out, item)
+            appended = True
+        return appended
 
     def _session(self, own: dict[str, Any], found: dict[str, AnyValue], resource: _Resource, span: Any) -> str:
         session = own.get("session_id")
@@ -269,9 +385,11 @@ class SpanConverter:
         default_status: str,
         time_ns: int,
         index: int,
+        seq: int,
     ) -> Action | Malformed:
-        trace_id = bytes(span.trace_id)
-        span_id = bytes(span.span_id)
+        """The record of the span (``index`` 0) or of its ``index``-th event, or why there is none."""
+        trace_id: bytes = span.trace_id
+        span_id: bytes = span.span_id
         trace_hex = trace_id.hex()
         span_hex = span_id.hex()
         if resource.problems:
@@ -281,8 +399,9 @@ class SpanConverter:
         if len(span_id) != 8 or span_id == _ZERO_SPAN_ID:
             problems.append(f"span id must be 8 bytes, not all zero (got {len(span_id)} bytes)")
 
-        merged = {**resource.defaults, **own} if resource.defaults else own
-        kind = merged.get("kind")
+        defaults = resource.defaults
+        merged = {**defaults, **own} if defaults else own
+        kind = merged.get("kind") if merged else None
         if not kind and verdict is not None:
             kind = verdict.kind
             if kind == "tool_call" and verdict.tool_name:
@@ -309,19 +428,22 @@ class SpanConverter:
         synthetic = not action_id
         if not action_id:
             action_id = f"span-{span_hex}" if index == 0 else f"span-{span_hex}-{index}"
-        record: Record = {
-            "session_id": session,
-            "action_id": action_id,
-            "kind": kind,
-            "status": merged.get("status") or default_status,
-        }
-        recorded = merged.get("result")
-        if recorded is True or (recorded is None and verdict is not None and verdict.result_recorded):
-            record["result"] = None
         if merged:
-            # In the contract's field order, so records read the same whatever the attribute order.
-            for name in sorted(merged.keys() - IDENTITY_FIELDS, key=_FIELD_RANK.__getitem__):
+            record: Record = {
+                "session_id": session,
+                "action_id": action_id,
+                "kind": kind,
+                "status": merged.get("status") or default_status,
+            }
+            recorded = merged.get("result")
+            if recorded is True or (recorded is None and verdict is not None and verdict.result_recorded):
+                record["result"] = None
+            for name in self._field_order(tuple(merged)):
                 record[name] = merged[name]
+        else:
+            record = {"session_id": session, "action_id": action_id, "kind": kind, "status": default_status}
+            if verdict is not None and verdict.result_recorded:
+                record["result"] = None
         if time_ns:
             record["time"] = self._format_time(time_ns)
         record["trace_id"] = trace_hex
@@ -330,14 +452,20 @@ class SpanConverter:
             record["service"] = resource.service
         if resource.instance is not None:
             record["instance"] = resource.instance
-        return Action(
-            record=record,
-            source="span",
-            origin=origin,
-            time_ns=time_ns or None,
-            delivery_key=(trace_hex, span_hex, index),
-            synthetic_action_id=synthetic,
-        )
+        return Action(record, "span", origin, None, time_ns or None, seq, (trace_hex, span_hex, index), synthetic)
+
+    def _field_order(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """The fields of ``names`` copied as they are, in the contract's order (records read the same
+        whatever the attribute order). Spans of one instrumentation share a few orders: remembered."""
+        try:
+            return self._orders[names]
+        except KeyError:
+            pass
+        order = tuple(sorted(set(names) - IDENTITY_FIELDS, key=_FIELD_RANK.__getitem__))
+        if len(self._orders) >= _ORDERS_LIMIT:
+            self._orders.clear()
+        self._orders[names] = order
+        return order
 
     def _format_time(self, time_ns: int) -> str:
         second, fraction = divmod(time_ns, _NS_PER_S)
@@ -348,6 +476,24 @@ class SpanConverter:
         if fraction:
             return prefix + "." + f"{fraction:09d}".rstrip("0") + "Z"
         return prefix + "Z"
+
+
+def _may_hold_durable_events(data: bytes) -> bool:
+    """False when no span event of the serialized request can be named ``durable.action``.
+
+    The name is stored as its bytes, followed by the next field's tag or the end of the
+    data, never by "." (0x2e is no valid tag: wire type 6). Where the bytes occur only
+    followed by "." (attribute keys such as "durable.action.id"), no event has that
+    name. One scan of the bytes costs far less than asking every span for its events.
+    """
+    return _DURABLE_EVENT_NAME_ALONE.search(data) is not None
+
+
+def _has_key_prefix(attributes: Any, mapped: bool, prefix: str) -> bool:
+    """Whether some attribute key starts with ``prefix`` (a map iterates its keys; a list its KeyValues)."""
+    if mapped:
+        return any(key.startswith(prefix) for key in attributes)
+    return any(kv.key.startswith(prefix) for kv in attributes)
 
 
 def _text_of(found: dict[str, AnyValue], key: str) -> str:
@@ -368,10 +514,9 @@ def _first_text(own: dict[str, Any], found: dict[str, AnyValue], keys: tuple[str
     return None
 
 
-def _append(out: ConvertResult, item: Action | Malformed, seq_start: int) -> None:
+def _append(out: ConvertResult, item: Action | Malformed) -> None:
+    # An Action's seq was given by _build: seq_start + the number of actions before it.
     if isinstance(item, Action):
-        # Arrival order: the n-th action of this request gets seq_start + n.
-        item.seq = seq_start + len(out.actions)
         out.actions.append(item)
     else:
         out.rejected.append(item)

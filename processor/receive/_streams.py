@@ -9,7 +9,7 @@ Malformed item after the last good line rather than a traceback.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Final
 
@@ -188,6 +188,59 @@ def lines(chunks: Iterator[bytes], max_line: int) -> Iterator[tuple[int, bytes |
         yield number + 1, TooLong(skipping)
     elif buffer:
         yield number + 1, bytes(buffer)
+
+
+def line_blocks(chunks: Iterator[bytes], max_line: int) -> Iterator[tuple[Sequence[bytes | TooLong], bool]]:
+    """The lines of ``lines``, numbered the same way (consecutively from 1), a block at a time.
+
+    Each block comes with whether it holds a TooLong (else every line is bytes).
+
+    A block is the complete lines of one chunk: splitting a whole chunk at once costs
+    a fraction of finding each newline in turn, which is what an action log's
+    millions of short lines need. An over-long line is a TooLong in its place, never
+    held in memory beyond the chunk it was read in.
+    """
+    pending = bytearray()  # the start of a line that has not ended yet (at most max_line bytes)
+    skipping = 0  # bytes of an over-long line discarded so far; 0 when not skipping
+    for chunk in chunks:
+        last = chunk.rfind(b"\n")
+        if last < 0:
+            if skipping:
+                skipping += len(chunk)
+            elif len(pending) + len(chunk) > max_line:
+                skipping = len(pending) + len(chunk)
+                pending.clear()
+            else:
+                pending += chunk
+            continue
+        parts = chunk[:last].split(b"\n")
+        # The first line began in an earlier chunk when something is pending or skipped.
+        first: bytes | TooLong = parts[0]
+        carried = bool(skipping or pending)
+        if skipping:
+            first = TooLong(skipping + len(parts[0]))
+            skipping = 0
+        elif pending:
+            length = len(pending) + len(parts[0])
+            first = TooLong(length) if length > max_line else bytes(pending) + parts[0]
+            pending.clear()
+        rest = len(chunk) - last - 1
+        if rest > max_line:
+            skipping = rest
+        elif rest:
+            pending += chunk[last + 1 :]
+        if isinstance(first, bytes) and max(map(len, parts)) <= max_line:
+            parts[0] = first
+            yield parts, False
+            continue
+        block: list[bytes | TooLong] = [TooLong(len(line)) if len(line) > max_line else line for line in parts]
+        if carried:
+            block[0] = first
+        yield block, True
+    if skipping:
+        yield [TooLong(skipping)], True
+    elif pending:
+        yield [bytes(pending)], False
 
 
 @dataclass(slots=True)

@@ -18,16 +18,16 @@ reading goes on; only an input that cannot be read at all raises InputError.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from typing import Any, BinaryIO, Final
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Final, cast
 
 import orjson
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from processor.convert.actionlog import parse_line
+from processor.convert.actionlog import parse_lines
 from processor.convert.otlp_json import OtlpJsonError, decode_traces
-from processor.convert.spans import SpanConverter
+from processor.convert.spans import ConvertResult, SpanConverter
 from processor.errors import InputError
 from processor.receive._streams import (
     GZIP_MAGIC,
@@ -36,6 +36,7 @@ from processor.receive._streams import (
     TooLong,
     frames,
     gunzip,
+    line_blocks,
     lines,
     peek,
     raw_chunks,
@@ -62,6 +63,21 @@ _TRACE_KEYS: Final = ("resourceSpans", "resource_spans")
 _OTHER_SIGNAL_KEYS: Final = ("resourceLogs", "resourceMetrics", "resourceProfiles", "resource_logs", "resource_metrics")
 
 Item = Action | Malformed
+# Lines parsed and handed on at a time: big enough that per-batch costs vanish, small
+# enough that a batch's records stay a few megabytes.
+_LINES_PER_BATCH: Final = 4096
+
+
+@dataclass(slots=True)
+class Batch:
+    """Consecutive items of one input, and how many of them are actions."""
+
+    items: list[Item]
+    actions: int
+
+    @property
+    def malformed(self) -> int:
+        return len(self.items) - self.actions
 
 
 def read_input(
@@ -76,6 +92,33 @@ def read_input(
 
     The input is opened and its format detected before this returns, so an
     unreadable input raises InputError here, not half-way through a report.
+    """
+    batches = read_batches(
+        path, input_format, converter, max_line_bytes=max_line_bytes, max_message_bytes=max_message_bytes
+    )
+    return _each_item(batches)
+
+
+def _each_item(batches: Generator[Batch, None, None]) -> Iterator[Item]:
+    try:
+        for batch in batches:
+            yield from batch.items
+    finally:
+        batches.close()  # closes the file when the reader of items stops early
+
+
+def read_batches(
+    path: str,
+    input_format: str | None = None,
+    converter: SpanConverter | None = None,
+    *,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> Generator[Batch, None, None]:
+    """The items of ``read_input``, a batch at a time (a block of lines, one OTLP message).
+
+    What replay reads: handing items on in batches saves a generator step per item,
+    and each batch says how many of its items are actions.
     """
     if input_format is not None and input_format not in FORMATS:
         raise InputError(f"unknown input format {input_format!r}; use one of {', '.join(FORMATS)}")
@@ -96,7 +139,7 @@ def read_input(
     except BaseException:
         _close(handle, path)
         raise
-    return _items(
+    return _batches(
         handle,
         path,
         input_format=chosen,
@@ -176,7 +219,7 @@ def _is_utf8(data: bytes) -> bool:
     return False
 
 
-def _items(
+def _batches(
     handle: BinaryIO,
     path: str,
     *,
@@ -186,20 +229,33 @@ def _items(
     converter: SpanConverter,
     max_line: int,
     max_message: int,
-) -> Iterator[Item]:
+) -> Generator[Batch, None, None]:
     try:
         if input_format == "actions":
             yield from _read_actions(chunks, origin, max_line)
-        elif input_format == "otlp-json-lines":
-            yield from _read_json_lines(chunks, origin, converter, max_line)
-        elif input_format == "otlp-json":
-            yield from _read_json_document(chunks, origin, converter, max_message)
-        elif input_format == "otlp-proto":
-            yield from _read_proto(chunks, origin, converter, max_message)
-        else:
+        elif input_format == "otlp-proto-stream":
             yield from _read_proto_stream(chunks, origin, converter, max_message)
+        elif input_format == "otlp-json-lines":
+            yield from _in_batches(_read_json_lines(chunks, origin, converter, max_line))
+        elif input_format == "otlp-json":
+            yield from _in_batches(_read_json_document(chunks, origin, converter, max_message))
+        else:
+            yield from _in_batches(_read_proto(chunks, origin, converter, max_message))
     finally:
         _close(handle, path)
+
+
+def _in_batches(items: Iterator[Item]) -> Iterator[Batch]:
+    batch: list[Item] = []
+    actions = 0
+    for item in items:
+        batch.append(item)
+        actions += isinstance(item, Action)
+        if len(batch) >= _LINES_PER_BATCH:
+            yield Batch(batch, actions)
+            batch, actions = [], 0
+    if batch:
+        yield Batch(batch, actions)
 
 
 def _ended(exc: StreamEnded, origin: str, last_line: int) -> Malformed:
@@ -214,22 +270,29 @@ def _too_long(what: str, size: TooLong, limit: int) -> str:
     return f"{what} is longer than {limit} bytes (at least {size.size_at_least}); skipped"
 
 
-def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterator[Item]:
+def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterator[Batch]:
     seq = 0
-    last = 0
+    last = 0  # number of the last line read
     try:
-        for number, raw in lines(chunks, max_line):
-            last = number
-            if isinstance(raw, TooLong):
-                yield Malformed(_too_long("line", raw, max_line), origin=origin, line=number)
-                continue
-            item = parse_line(raw, origin, number, seq)
-            if item is not None:
-                if isinstance(item, Action):
-                    seq += 1
-                yield item
+        for block, has_too_long in line_blocks(chunks, max_line):
+            for start in range(0, len(block), _LINES_PER_BATCH):
+                part = block[start : start + _LINES_PER_BATCH]
+                items: list[Item] = []
+                before = seq
+                if not has_too_long:
+                    seq = parse_lines(cast(Sequence[bytes], part), origin, last + 1, seq, items)
+                    last += len(part)
+                else:
+                    for raw in part:
+                        last += 1
+                        if isinstance(raw, TooLong):
+                            items.append(Malformed(_too_long("line", raw, max_line), origin=origin, line=last))
+                        else:
+                            seq = parse_lines((raw,), origin, last, seq, items)
+                if items:
+                    yield Batch(items, seq - before)
     except StreamEnded as exc:
-        yield _ended(exc, origin, last)
+        yield Batch([_ended(exc, origin, last)], 0)
 
 
 def _converted(converter: SpanConverter, traces: Any, origin: str, seq: int, line: int | None) -> Iterator[Item]:
@@ -313,9 +376,11 @@ def _read_json_document(
     yield from _decoded(converter, document, origin, 0, None)
 
 
-def _parse_request(data: bytes, index: int, origin: str) -> Any:
+def _convert_message(
+    converter: SpanConverter, data: bytes, index: int, origin: str, seq: int
+) -> ConvertResult | Malformed:
     try:
-        request = ExportTraceServiceRequest.FromString(data)
+        result = converter.convert_serialized(data, origin, seq)
     except DecodeError:
         return Malformed(
             f"message {index}: not a valid OTLP protobuf trace export ({len(data)} bytes)",
@@ -323,7 +388,7 @@ def _parse_request(data: bytes, index: int, origin: str) -> Any:
             source="span",
             extra={"message_index": index},
         )
-    if data and not len(request.resource_spans):
+    if data and not result.resource_spans:
         # Bytes that happen to parse as unknown fields: nothing of OTLP in them.
         return Malformed(
             f"message {index}: {len(data)} bytes hold no OTLP resource spans",
@@ -331,7 +396,7 @@ def _parse_request(data: bytes, index: int, origin: str) -> Any:
             source="span",
             extra={"message_index": index},
         )
-    return request
+    return result
 
 
 def _read_proto(chunks: Iterator[bytes], origin: str, converter: SpanConverter, max_message: int) -> Iterator[Item]:
@@ -341,38 +406,49 @@ def _read_proto(chunks: Iterator[bytes], origin: str, converter: SpanConverter, 
         return
     if not data:
         return
-    request = _parse_request(data, 1, origin)
-    if isinstance(request, Malformed):
-        yield request
+    result = _convert_message(converter, data, 1, origin, 0)
+    if isinstance(result, Malformed):
+        yield result
         return
-    yield from _converted(converter, request, origin, 0, None)
+    yield from result.items
 
 
 def _read_proto_stream(
     chunks: Iterator[bytes], origin: str, converter: SpanConverter, max_message: int
-) -> Iterator[Item]:
+) -> Iterator[Batch]:
     seq = 0
     try:
         for frame in frames(chunks, max_message):
             if isinstance(frame.data, TooLong):
-                yield Malformed(
+                too_long = Malformed(
                     f"message {frame.index} is longer than {max_message} bytes ({frame.data.size_at_least}); skipped",
                     origin=origin,
                     source="span",
                     extra={"message_index": frame.index},
                 )
+                yield Batch([too_long], 0)
                 continue
-            request = _parse_request(frame.data, frame.index, origin)
-            if isinstance(request, Malformed):
-                yield request
+            result = _convert_message(converter, frame.data, frame.index, origin, seq)
+            if isinstance(result, Malformed):
+                yield Batch([result], 0)
                 continue
-            for item in _converted(converter, request, origin, seq, None):
-                seq += isinstance(item, Action)
-                yield item
+            # Items of a protobuf message have no line: their line stays None.
+            seq += len(result.actions)
+            if result.items:
+                yield Batch(result.items, len(result.actions))
     except StreamEnded as exc:
-        yield Malformed(
+        ended = Malformed(
             exc.reason if exc.truncated else f"input unreadable: {exc.reason}", origin=origin, source="span"
         )
+        yield Batch([ended], 0)
 
 
-__all__ = ["DEFAULT_MAX_LINE_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "FORMATS", "STDIN", "read_input"]
+__all__ = [
+    "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "FORMATS",
+    "STDIN",
+    "Batch",
+    "read_batches",
+    "read_input",
+]

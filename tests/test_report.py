@@ -1,0 +1,112 @@
+"""Replay's report: input order, spilling sorted runs to disk, and the streamed JSON document."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import orjson
+
+from processor.report import Report, render_json, render_text
+from processor.violations import Violation
+
+
+def _violations(count: int, seed: int) -> list[Violation]:
+    rng = random.Random(seed)
+    out = []
+    for n in range(count):
+        from_log = rng.random() < 0.5
+        out.append(
+            Violation(
+                rule=rng.choice(("DS001", "DS002", "DS107")),
+                name="rule-name",
+                severity="error",
+                session_id=f"s{rng.randrange(5)}",
+                action_id=f"a{n}",
+                message=f"message {n}",
+                violation_id=f"v{n}",
+                time_ns=rng.choice((None, rng.randrange(1_000, 1_010))),
+                line=rng.randrange(1, 20) if from_log else None,
+                origin=rng.choice(("b.jsonl", "a.jsonl", "other")),
+                trace_id="" if from_log else f"{n:032x}",
+                span_id="" if from_log else f"{n:016x}",
+                service=rng.choice(("", "booker")),
+                kind=rng.choice(("", "payment")),
+                tags=tuple(rng.sample(("money", "retry", "wait"), rng.randrange(3))),
+                details=rng.choice(({}, {"deadline_unix_nano": n, "other": {"action_id": "x"}})),
+            )
+        )
+    return out
+
+
+class _Summary:
+    def text_lines(self) -> list[str]:
+        return ["sessions: 5"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sessions": [{"session_id": "s0", "violations": 3}], "violations_by_rule": {"DS001": 3}}
+
+
+def _report(violations: list[Violation], spill_at: int) -> Report:
+    report = Report(["a.jsonl", "b.jsonl"], spill_at=spill_at)
+    report.tally(actions=40, malformed=2)
+    for start in range(0, len(violations), 7):
+        report.add(violations[start : start + 7])
+    report.summary = _Summary()
+    return report
+
+
+def test_spilled_runs_merge_into_the_order_of_one_sort() -> None:
+    violations = _violations(500, seed=1)
+    in_memory = _report(violations, spill_at=10_000)
+    spilled = _report(violations, spill_at=30)
+    try:
+        assert spilled._runs, "the small bound spilled runs to disk"
+        expected = sorted(violations, key=in_memory._key)  # a stable sort: ties keep arrival order
+        assert list(in_memory.ordered()) == expected
+        assert list(spilled.ordered()) == expected
+        assert render_text(spilled) == render_text(in_memory)
+        assert render_json(spilled) == render_json(in_memory)
+    finally:
+        spilled.close()
+
+
+def test_the_streamed_json_is_the_whole_document_dumped_at_once() -> None:
+    violations = _violations(60, seed=2)
+    report = _report(violations, spill_at=25)
+    try:
+        ordered = sorted(violations, key=report._key)
+        document = {
+            "inputs": ["a.jsonl", "b.jsonl"],
+            "actions": 40,
+            "malformed": 2,
+            "violations": [v.to_json() for v in ordered],
+            "unreadable": [],
+            **_Summary().to_json(),
+        }
+        assert render_json(report) == orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
+    finally:
+        report.close()
+
+
+def test_text_report_counts_by_rule_and_ends_with_the_verdict() -> None:
+    violations = _violations(40, seed=3)
+    report = _report(violations, spill_at=15)
+    try:
+        text = render_text(report).splitlines()
+        by_rule = Counter(v.rule for v in violations)
+        rules = ", ".join(f"{rule}×{n}" for rule, n in sorted(by_rule.items()))
+        assert text[-1] == f"FAIL: 40 violation(s) in 40 action(s) [{rules}]"
+        assert text[-2] == "sessions: 5"
+        assert len(text) == 42
+    finally:
+        report.close()
+
+
+def test_no_violations_is_ok_in_both_formats() -> None:
+    report = Report(["a.jsonl"])
+    report.tally(actions=3, malformed=0)
+    assert render_text(report) == "OK: 3 action(s), no violations\n"
+    assert orjson.loads(render_json(report))["violations"] == []
+    assert '"violations": []' in render_json(report)

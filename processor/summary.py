@@ -45,6 +45,8 @@ class SessionSummary:
     # "expired": idle longer than the timeout; "evicted": dropped at the open-session bound.
     # Waits listed for an ended session were still open when it ended.
     end: SessionEnd = "open"
+    # Waits of this session that fired at their deadline and were resolved later (their alert cleared).
+    waits_resolved_late: int = 0
 
     @property
     def actions(self) -> int:
@@ -63,6 +65,7 @@ class SessionSummary:
             "violations": self.violations,
             "violations_by_rule": dict(sorted(self.violations_by_rule.items())),
             "open_waits": [w.to_json() for w in self.open_waits],
+            "waits_resolved_late": self.waits_resolved_late,
         }
 
 
@@ -74,7 +77,10 @@ class EngineSummary:
     ``actions_evaluated`` those that reached the rules. ``rule_errors`` counts, per rule,
     records on which one of the rule's expressions failed at run time (the rule did not
     fire on them). ``ended_sessions_dropped`` counts ended sessions whose summary was
-    not kept (the list of ended sessions is bounded).
+    not kept (the list of ended sessions is bounded). ``waits_resolved_late`` counts
+    waits that fired and were resolved by a later record (their violation resolved);
+    ``fired_waits_dropped`` fired waits forgotten at the per-session bound (a later
+    resolution of those goes unnoticed).
     """
 
     sessions: list[SessionSummary] = field(default_factory=list)
@@ -91,6 +97,8 @@ class EngineSummary:
     # Groups of a stateful rule dropped at the per-session bound (oldest first).
     groups_dropped: int = 0
     ended_sessions_dropped: int = 0
+    waits_resolved_late: int = 0
+    fired_waits_dropped: int = 0
     watermark_ns: int | None = None
 
     @property
@@ -111,6 +119,8 @@ class EngineSummary:
             "sessions_evicted": self.sessions_evicted,
             "groups_dropped": self.groups_dropped,
             "ended_sessions_dropped": self.ended_sessions_dropped,
+            "waits_resolved_late": self.waits_resolved_late,
+            "fired_waits_dropped": self.fired_waits_dropped,
             "sessions": [s.to_json() for s in self.sessions],
         }
 
@@ -132,6 +142,7 @@ class EngineSummary:
             ("late span(s)", self.late),
             ("malformed", self.malformed),
             ("open wait(s)", len(self.open_waits)),
+            ("wait(s) resolved after their deadline", self.waits_resolved_late),
             ("session(s) expired", self.sessions_expired),
             ("session(s) evicted", self.sessions_evicted),
         ):
@@ -159,4 +170,6 @@ def _session_line(session: SessionSummary) -> str:
         text += f", {session.violations} violation(s) [{_counts(session.violations_by_rule)}]"
     if session.open_waits:
         text += f", {len(session.open_waits)} open wait(s)"
+    if session.waits_resolved_late:
+        text += f", {session.waits_resolved_late} wait(s) resolved after their deadline"
     return text

@@ -44,6 +44,20 @@ Within one record, a stateful rule checks ``then`` against the existing state be
 whose expression raises EvaluationError on a record does not fire on it; the error is
 counted per rule (``summary().rule_errors``) and logged once per rule, without values.
 
+**Resolutions.** An absence wait that fired is remembered (per session, at most
+``max_fired_waits_per_session``, oldest forgotten first) with its violation id and kept
+fields. A later record of the same rule and group that matches ``then`` against them
+*resolves* it: the violation id is queued for :meth:`Engine.take_resolutions`, so that
+exporters can clear the alert, and the session counts a wait resolved late.
+
+**Routes.** Most rules cannot fire on most records, and their CEL *guards* (see
+:class:`processor.evaluate.cel.Guard`) say so from a few fields: the record's kind,
+status, a key's presence. Which rules to run on a record is computed once per record
+*shape* (the source, the values of guarded fields, the keys present) and cached: a
+condition whose guard refutes the record is not evaluated, a stateful rule whose
+``first`` cannot match skips sessions that hold no state for it. A refuted expression
+evaluates to false, never to an error, so routes change no verdict and no error count.
+
 **State** lives in live :class:`~processor.state.session.SessionState` objects that
 the engine mutates; a :class:`~processor.state.base.StateStore` is handed the changed
 ones at the end of every batch and commits them (see :mod:`processor.state.base`).
@@ -51,7 +65,6 @@ ones at the end of every batch and commits them (see :mod:`processor.state.base`
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 import math
@@ -61,10 +74,12 @@ from bisect import bisect_right, insort
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from hashlib import blake2b as _blake2b
 from itertools import repeat
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, NamedTuple, Protocol, cast
 
 from processor.errors import EvaluationError
+from processor.evaluate.cel import CompiledExpression
 from processor.evaluate.model import Rule, RuleSet
 from processor.records import FIELD_TYPES, NONDETERMINISTIC_KINDS, SIDE_EFFECT_KINDS, Action, Malformed
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
@@ -72,6 +87,7 @@ from processor.state.memory import MemoryStore
 from processor.state.session import (
     MISSING,
     CountState,
+    FiredWaits,
     GroupKey,
     Provenance,
     RuleSchema,
@@ -99,6 +115,8 @@ _KNOWN_KINDS: Final = frozenset(NONDETERMINISTIC_KINDS | SIDE_EFFECT_KINDS | {"t
 _MAX_SERVICE_LABELS: Final = 200
 _EVICTION_LOG_INTERVAL_S: Final = 60.0
 _KEPT_CACHE_MAX: Final = 50_000
+_VIEWS_MAX: Final = 1024
+_SHAREABLE_TYPES: Final = frozenset({str, type(None), type(MISSING)})
 _EXPIRY_BUCKETS: Final = 1024
 _WAIT_STATE_LABELS: Final = ("awaiting_approval", "waiting_on_external", "other")
 
@@ -121,6 +139,8 @@ class EngineOptions:
     # Summaries of ended (expired, evicted) sessions kept for summary() in replay, whose report
     # lists every session; serve keeps none (it reports through telemetry).
     max_ended_sessions: int = 100_000
+    # Absence waits that fired and may still be resolved later, per session (oldest forgotten first).
+    max_fired_waits_per_session: int = 32
 
     def __post_init__(self) -> None:
         problems = []
@@ -133,8 +153,9 @@ class EngineOptions:
         for name in ("max_sessions", "max_buffered_per_session", "max_groups_per_rule", "max_seen_per_session"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
-        if self.max_ended_sessions < 0:
-            problems.append("max_ended_sessions must be >= 0")
+        for name in ("max_ended_sessions", "max_fired_waits_per_session"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0")
         if problems:
             raise ValueError("invalid engine options: " + "; ".join(problems))
 
@@ -153,6 +174,7 @@ class _Plan:
         "deadline",
         "field",
         "first",
+        "first_fn",
         "first_names",
         "group_by",
         "group_fn",
@@ -167,7 +189,9 @@ class _Plan:
         "severity",
         "tags",
         "then",
+        "then_fn",
         "threshold",
+        "views",
         "window_ns",
         "within_actions",
         "within_ns",
@@ -189,6 +213,10 @@ class _Plan:
 
         self.first = rule.first
         self.then = rule.then
+        self.first_fn = None if rule.first is None else rule.first.evaluate
+        # Kept-field tuples -> their ``first`` map (see Engine._first_view).
+        self.views: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self.then_fn = None if rule.then is None else rule.then.evaluate
         self.keep_latest = rule.keep == "latest"
         self.report_first = rule.report_on == "first"
         self.within_ns = None if rule.within_s is None else round(rule.within_s * _NS)
@@ -214,23 +242,69 @@ class _Plan:
         self.compact = rule.type == "sequence" and self.within_ns is None and not self.report_first
 
 
+class _Handler(Protocol):
+    """Runs one stateful rule type on a record (Engine._sequence, _absence, _change, _count)."""
+
+    def __call__(
+        self,
+        plan: _Plan,
+        action: Action,
+        session: SessionState,
+        key: GroupKey,
+        out: list[Violation],
+        *,
+        first_possible: bool = True,
+        then_possible: bool = True,
+    ) -> None: ...
+
+
+# A stateful rule on a route: (plan, handler, skip_when_empty, first_possible, then_possible,
+# key_field: the record field that is the whole group key and is present, else None).
+_StatefulStep = tuple[_Plan, _Handler, bool, bool, bool, str | None]
+
+
+class _Route:
+    """The rules a record can fire, given what their guards read of it (see Engine._route).
+
+    ``conditions``: condition rules whose condition is not refuted. ``stateful``: stateful
+    rules whose filter is not refuted, each with what its guards tell: whether the rule
+    can skip a session that holds no state for it (``first`` refuted and the group key
+    certain to evaluate), and whether ``first`` and ``then`` may match at all.
+    """
+
+    __slots__ = ("conditions", "stateful")
+
+    def __init__(self, conditions: tuple[_Plan, ...], stateful: tuple[_StatefulStep, ...]) -> None:
+        self.conditions = conditions
+        self.stateful = stateful
+
+
+# Distinct record shapes (values of guarded fields, keys present) remembered with their route.
+_ROUTES_MAX: Final = 4096
+# dict.get(classes, value, type(value)): a guarded field's value class, computed in C.
+_class_of: Final = cast(Callable[[dict[str, str], Any, type], Any], dict.get)
+
+
 # ---------------------------------------------------------------------------
 # Engine-wide state (what a store persists besides sessions)
 
 
-class _Buffered:
-    """A span waiting in the reordering buffer; ordered by (time, seq, arrival)."""
+class _Buffered(NamedTuple):
+    """A span waiting in the reordering buffer.
 
-    __slots__ = ("action", "arrival", "key", "received_ns")
+    A tuple ordered by (time, seq, arrival): the heap compares them in C, and the
+    arrival number is unique, so the action itself is never compared.
+    """
 
-    def __init__(self, action: Action, arrival: int, received_ns: int) -> None:
-        self.action = action
-        self.arrival = arrival
-        self.received_ns = received_ns
-        self.key = (action.time_ns or 0, action.seq, arrival)
+    time_ns: int
+    seq: int
+    arrival: int
+    action: Action
+    received_ns: int
 
-    def __lt__(self, other: _Buffered) -> bool:
-        return self.key < other.key
+
+def _buffered(action: Action, arrival: int, received_ns: int) -> _Buffered:
+    return _Buffered(action.time_ns or 0, action.seq, arrival, action, received_ns)
 
 
 def _action_to_plain(action: Action) -> dict[str, Any]:
@@ -269,6 +343,8 @@ _COUNTERS: Final = (
     "sessions_expired",
     "sessions_evicted",
     "groups_dropped",
+    "waits_resolved_late",
+    "fired_waits_dropped",
 )
 
 
@@ -310,17 +386,18 @@ class EngineState(EngineStateLike):
         state.violations_by_rule = {str(k): int(v) for k, v in plain["violations_by_rule"].items()}
         state.rule_errors = {str(k): int(v) for k, v in plain["rule_errors"].items()}
         for entry in plain["buffer"]:
-            item = _Buffered(_action_from_plain(entry["action"]), int(entry["arrival"]), int(entry["received_ns"]))
+            item = _buffered(_action_from_plain(entry["action"]), int(entry["arrival"]), int(entry["received_ns"]))
             state.buffer.append(item)
-            state.received.append((item.received_ns, item.key[0]))
+            state.received.append((item.received_ns, item.time_ns))
         heapq.heapify(state.buffer)
         return state
 
 
-def _delivery_digest(key: tuple[str, str, int]) -> int:
-    # Stable across processes (str hashes are salted) and at most 64 bits (plain-data safe).
+def _delivery_digest(key: tuple[str, str, int]) -> bytes:
+    # Stable across processes (str hashes are salted) and 64 bits (plain-data safe as an int);
+    # kept packed, the form the session stores it in.
     raw = f"{key[0]}\x1f{key[1]}\x1f{key[2]}".encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+    return _blake2b(raw, digest_size=8).digest()
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -374,9 +451,31 @@ class Engine:
         self._stateful_plans = [_Plan(r, i) for i, r in enumerate(stateful)]
         self._plan_by_id = {p.id: p for p in self._stateful_plans}
         self._absence_indices = tuple(p.index for p in self._stateful_plans if p.kind == "absence")
-        handlers = {"sequence": self._sequence, "absence": self._absence, "change": self._change, "count": self._count}
+        handlers: dict[str, _Handler] = {
+            "sequence": self._sequence,
+            "absence": self._absence,
+            "change": self._change,
+            "count": self._count,
+        }
         # Each stateful rule with the method that runs its type.
         self._stateful_runs = [(plan, handlers[plan.kind]) for plan in self._stateful_plans]
+        # Which rules may fire on a record depends only on what their guards read of it: the
+        # values of a few fields, the keys present and the source. Records of one shape share
+        # a route, computed once (see _route).
+        literals: dict[str, set[str]] = {}
+        for plan in [*self._condition_plans, *self._stateful_plans]:
+            for expression in (plan.condition, plan.first, plan.then):
+                guard = None if expression is None else expression.guard
+                if guard is not None:
+                    for (variable, name), strings in guard.values.items():
+                        if variable == "record":
+                            literals.setdefault(name, set()).update(strings)
+        self._guarded_fields = tuple(sorted(literals))
+        # A guarded field's value enters a record's shape as its class: one of the literals it is
+        # compared with, or else its type (any other string is ``str``). An id or a key compared
+        # with a literal must not make every record a shape of its own.
+        self._value_classes = tuple({s: s for s in literals[name]} for name in self._guarded_fields)
+        self._routes: dict[tuple[Any, ...], _Route] = {}
         kinds = [cast(StateKind, p.kind) for p in self._stateful_plans]
         self.schema = RuleSchema(
             rule_ids=tuple(p.id for p in self._stateful_plans),
@@ -385,9 +484,14 @@ class Engine:
             compact=tuple(p.compact for p in self._stateful_plans),
         )
         self._width = len(self._stateful_plans)
+        self._max_seen = options.max_seen_per_session
+        self._max_groups = options.max_groups_per_rule
         # Kept-field tuples and per-session kind counts repeat across sessions: share one copy.
         self._kept_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._kinds_cache: dict[tuple[str | int, ...], tuple[str | int, ...]] = {}
+        self._kinds_cache: dict[Any, tuple[str | int, ...]] = {}
+        # (id of a shared counts tuple, kind) -> the shared tuple after counting one more of kind.
+        # Only shared tuples are keys, and the cache keeps them alive: an id cannot be reused.
+        self._kinds_steps: dict[tuple[int, str], tuple[str | int, ...]] = {}
 
         # One activation and one meta dict, refilled for every record: evaluation never keeps them.
         self._meta: dict[str, Any] = {"source": "log", "synthetic_action_id": False, "line": 0, "time_ns": 0}
@@ -422,6 +526,8 @@ class Engine:
         self._wait_states: dict[str, int] = {}
         # Every open wait, oldest first (arrival order): the oldest_open_wait_age gauge reads the first.
         self._open_waits: dict[Wait, None] = {}
+        # Violation ids of fired waits resolved since the last take_resolutions().
+        self._resolutions: list[str] = []
 
         self._state = self._restore()
 
@@ -467,6 +573,12 @@ class Engine:
     def watermark_ns(self) -> int | None:
         wm = self._state.watermark_ns
         return None if wm == _NEVER else wm
+
+    def take_resolutions(self) -> list[str]:
+        """Violation ids resolved since the last call (a fired wait that finally resolved), oldest first."""
+        taken = self._resolutions
+        self._resolutions = []
+        return taken
 
     def submit(self, item: Action | Malformed) -> list[Violation]:
         """One item; returns the violations that became final (buffered spans may wait for the watermark)."""
@@ -524,15 +636,32 @@ class Engine:
         state = self._state
         counters = state.counters
         counters["actions_seen"] += 1
-        session = self._session(action.session_id)
+        session_id = action.record.get("session_id", "")
+        if type(session_id) is not str:
+            session_id = str(session_id)
+        sessions = self._sessions
+        session = sessions.get(session_id)
+        if session is None:
+            session = self._session(session_id)
+        else:
+            sessions.move_to_end(session_id)
+            self._dirty.add(session_id)
         key = action.delivery_key
-        if key is not None and session.check_seen(_delivery_digest(key), self.options.max_seen_per_session):
+        if key is not None and session.check_seen_packed(_delivery_digest(key), self._max_seen):
             counters["duplicates"] += 1
             if action.source == "span":
                 self._tm_duplicates += 1
             return
         t = action.time_ns
-        self._note_activity(session, t)
+        if self._serve:
+            self._note_activity(session, t)
+        elif t is not None:
+            activity = session.activity_ns
+            if activity is None:
+                self._schedule_expiry(t + self._idle_ns, session_id)
+                session.activity_ns = t
+            elif t > activity:
+                session.activity_ns = t
         if t is None or action.source != "span":
             # Log lines are in the order the agent wrote them; an untimed span has no order to restore.
             if t is not None:
@@ -545,12 +674,13 @@ class Engine:
             self._evaluate(action, session, out)
             return
         state.arrivals += 1
-        item = _Buffered(action, state.arrivals, self._now_ns)
-        heapq.heappush(state.buffer, item)
+        # tuple.__new__ skips the Python-level __new__ of a NamedTuple: this runs for every span.
+        heapq.heappush(state.buffer, tuple.__new__(_Buffered, (t, action.seq, state.arrivals, action, self._now_ns)))
         if self._serve:
             state.received.append((self._now_ns, t))
         session.buffered += 1
-        self._observe_time(t, out)
+        if t > state.max_event_ns:
+            self._observe_time(t, out)
         limit = self.options.max_buffered_per_session
         while session.buffered > limit and state.buffer:
             # The bound forces the watermark forward: the oldest buffered span goes first.
@@ -618,7 +748,7 @@ class Engine:
         state = self._state
         wm = state.watermark_ns
         buffer = state.buffer
-        while buffer and buffer[0].key[0] <= wm:
+        while buffer and buffer[0][0] <= wm:
             self._release_one(out)
         if not self._serve:
             # A deadline fires once the watermark is past it: a resolution at the deadline still counts.
@@ -637,7 +767,7 @@ class Engine:
         state.watermark_ns = max(state.watermark_ns, self._wall_release_ns)
         buffer = state.buffer
         wm = state.watermark_ns
-        while buffer and buffer[0].key[0] <= wm:
+        while buffer and buffer[0][0] <= wm:
             self._release_one(out)
         self._fire_due(now, out)
         self._expire(now)
@@ -645,21 +775,22 @@ class Engine:
     def _release_one(self, out: list[Violation]) -> int:
         item = heapq.heappop(self._state.buffer)
         action = item.action
-        found = self._sessions.get(action.session_id)
+        session_id = action.session_id
+        found = self._sessions.get(session_id)
         if found is None:
             # Its session was evicted while the span waited: it starts again.
-            session = self._session(action.session_id)
+            session = self._session(session_id)
             self._note_activity(session, action.time_ns)
         else:
             session = found
             if session.buffered > 0:
                 session.buffered -= 1
-            self._sessions.move_to_end(session.session_id)
-            self._dirty.add(session.session_id)
+            self._sessions.move_to_end(session_id)
+            self._dirty.add(session_id)
         self._received_ns = item.received_ns
         self._evaluate(action, session, out)
         self._received_ns = None
-        return item.key[0]
+        return item.time_ns
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -743,20 +874,15 @@ class Engine:
 
     def _evaluate(self, action: Action, session: SessionState, out: list[Violation]) -> None:
         t = action.time_ns
-        if t is not None and session.next_deadline_ns is not None and session.next_deadline_ns < t:
+        next_deadline = session.next_deadline_ns
+        if next_deadline is not None and t is not None and next_deadline < t:
             self._fire_session_deadlines(session, t, out)
-        state = self._state
-        state.counters["actions_evaluated"] += 1
+        self._state.counters["actions_evaluated"] += 1
         record = action.record
         kind = record.get("kind")
-        kind = sys.intern(kind) if isinstance(kind, str) else ""
-        counts = session.count_kind(kind)
-        # Many sessions hold the same small counts: share one tuple, as for kept fields.
-        shared = self._kinds_cache.get(counts)
-        if shared is not None:
-            session.kinds = shared
-        elif len(self._kinds_cache) < _KEPT_CACHE_MAX:
-            self._kinds_cache[counts] = counts
+        if type(kind) is not str:
+            kind = ""
+        self._count_kind(session, kind)
         if self._telemetry is not None:
             label = (
                 kind if kind in _KNOWN_KINDS else "other",
@@ -765,25 +891,34 @@ class Engine:
             )
             self._tm_actions[label] = self._tm_actions.get(label, 0) + 1
 
+        source = action.source
         meta = self._meta
-        meta["source"] = action.source
+        meta["source"] = source
         meta["synthetic_action_id"] = action.synthetic_action_id
         meta["line"] = action.line or 0
         meta["time_ns"] = t or 0
         act = self._act
         act["record"] = record
         act["first"] = _EMPTY
+        values = list(map(record.get, self._guarded_fields))
+        try:
+            shape = (source, *map(_class_of, self._value_classes, values, map(type, values)), *record)
+            route = self._routes[shape]
+        except KeyError:
+            route = self._new_route(shape, record)
+        except TypeError:  # an unhashable value in a guarded field: this record gets its own route
+            route = self._route(record)
 
-        for plan in self._condition_plans:
+        for plan in route.conditions:
             try:
-                hit = plan.condition_fn(act) is True  # type: ignore[misc]  # condition plans have one
+                hit = plan.condition_fn(act)  # type: ignore[misc]  # condition plans have one
             except EvaluationError:
                 self._rule_error(plan, "condition")
                 continue
-            if hit:
+            if hit is True:
                 self._emit(self._violation(plan, action, act, session), session, out)
 
-        for plan, handler in self._stateful_runs:
+        for plan, handler, skip_when_empty, first_possible, then_possible, key_field in route.stateful:
             condition = plan.condition_fn
             if condition is not None:
                 try:
@@ -792,6 +927,18 @@ class Engine:
                 except EvaluationError:
                     self._rule_error(plan, "condition")
                     continue
+            if skip_when_empty:
+                rules = session.rules
+                if rules is None or rules[plan.index] is None:
+                    fired = session.fired
+                    if fired is None or plan.index not in fired.rules:
+                        continue  # nothing to resolve or extend, and this record opens nothing
+            if key_field is not None:
+                # ``record.<field>`` of a field the route knows is present: the value is the key.
+                value = record[key_field]
+                key = value if type(value) is str else group_key((value,))
+                handler(plan, action, session, key, out, first_possible=first_possible, then_possible=then_possible)
+                continue
             single = plan.group_fn
             try:
                 if single is not None:
@@ -804,9 +951,79 @@ class Engine:
             except EvaluationError:
                 self._rule_error(plan, "group_by")
                 continue
-            handler(plan, action, session, key, out)
+            handler(plan, action, session, key, out, first_possible=first_possible, then_possible=then_possible)
         act["record"] = _EMPTY
         act["first"] = _EMPTY
+
+    def _count_kind(self, session: SessionState, kind: str) -> None:
+        """Count one action of ``kind``; many sessions hold the same small counts, so share the tuples."""
+        kinds = session.kinds
+        if type(kinds) is dict:  # a busy session: its counts are its own
+            kinds[kind] = kinds.get(kind, 0) + 1
+            return
+        step = (id(kinds), kind)
+        shared = self._kinds_steps.get(step)
+        if shared is not None:
+            session.kinds = shared
+            return
+        cache = self._kinds_cache
+        counts = session.count_kind(sys.intern(kind))
+        if counts is None:
+            return
+        shared = cache.get(counts)
+        if shared is None:
+            if len(cache) >= _KEPT_CACHE_MAX:
+                return
+            shared = cache[counts] = counts
+        session.kinds = shared
+        if type(kinds) is tuple and cache.get(kinds) is kinds and len(self._kinds_steps) < _KEPT_CACHE_MAX:
+            self._kinds_steps[step] = shared
+
+    def _new_route(self, shape: tuple[Any, ...], record: Mapping[str, Any]) -> _Route:
+        routes = self._routes
+        if len(routes) >= _ROUTES_MAX:
+            routes.clear()  # shapes beyond the bound are unusual input: start over rather than grow
+        route = routes[shape] = self._route(record)
+        return route
+
+    def _route(self, record: Mapping[str, Any]) -> _Route:
+        """The rules this record can fire, from their guards.
+
+        Guards read the record's keys, the values of ``_guarded_fields`` (only whether each is
+        one of the literals it is compared with, another string, or of another type) and
+        ``meta`` (whose only string field is the source): records equal in those share the route. Guards on
+        ``first`` depend on state, so the activation here has no ``first`` (such atoms never
+        refute). A refuted expression evaluates to false, never to an error, so skipping it
+        changes nothing, rule error counts included.
+        """
+        act: dict[str, Any] = {"record": record, "meta": self._meta}
+
+        def possible(expression: CompiledExpression | None) -> bool:
+            guard = None if expression is None else expression.guard
+            return guard is None or not guard.refuted(act)
+
+        conditions = tuple(plan for plan in self._condition_plans if possible(plan.condition))
+        stateful: list[_StatefulStep] = []
+        for plan, handler in self._stateful_runs:
+            if not possible(plan.condition):
+                continue
+            first_possible = plan.kind not in ("sequence", "absence") or possible(plan.first)
+            then_possible = plan.kind not in ("sequence", "absence") or possible(plan.then)
+            # Skipping must not skip a group_by error: only keys that cannot fail here allow it.
+            key_certain = all(
+                e.path is not None and e.path[0] in act and e.path[1] in act[e.path[0]] for e in plan.group_by
+            )
+            if plan.kind == "sequence" and plan.within_ns is None and not (first_possible or then_possible):
+                # Nothing can open, fire or expire: the rule ignores this record, whatever the state.
+                skip_when_empty = key_certain
+                if key_certain and plan.condition is None:
+                    continue
+            else:
+                skip_when_empty = key_certain and plan.kind in ("sequence", "absence") and not first_possible
+            path = plan.group_by[0].path if len(plan.group_by) == 1 and key_certain else None
+            key_field = path[1] if path is not None and path[0] == "record" else None
+            stateful.append((plan, handler, skip_when_empty, first_possible, then_possible, key_field))
+        return _Route(conditions, tuple(stateful))
 
     def _rule_error(self, plan: _Plan, where: str) -> None:
         errors = self._state.rule_errors
@@ -835,38 +1052,75 @@ class Engine:
             return kept
         if shared is not None:
             return shared
-        if len(cache) < _KEPT_CACHE_MAX:
+        # Only strings, null and absent values are shared: (1,) == (True,) == (1.0,), but CEL
+        # tells them apart, and a tuple equal to a shared one then has the same types.
+        if len(cache) < _KEPT_CACHE_MAX and all(map(_SHAREABLE_TYPES.__contains__, map(type, kept))):
             cache[kept] = kept
         return kept
 
     @staticmethod
     def _first_view(plan: _Plan, kept: tuple[Any, ...]) -> dict[str, Any]:
-        return {n: v for n, v in zip(plan.first_names, kept, strict=True) if v is not MISSING}
+        """``first`` as a map. Expressions never mutate it, so one kept tuple (often shared) has one view.
+
+        Keyed by identity, not equality (``(1,) == (True,)``); the entry holds the tuple, so its id
+        cannot be reused while the entry lives.
+        """
+        views = plan.views
+        entry = views.get(id(kept))
+        if entry is not None and entry[0] is kept:
+            return entry[1]
+        view = {n: v for n, v in zip(plan.first_names, kept, strict=True) if v is not MISSING}
+        if len(views) >= _VIEWS_MAX:
+            views.clear()
+        views[id(kept)] = (kept, view)
+        return view
 
     def _put(self, plan: _Plan, session: SessionState, key: GroupKey, state: Any) -> None:
-        dropped = session.put_group(plan.index, key, state, self._width, self.options.max_groups_per_rule)
+        dropped = session.put_group(plan.index, key, state, self._width, self._max_groups)
         if dropped is not None:
             self._state.counters["groups_dropped"] += 1
             if isinstance(dropped[1], Wait):
                 self._unschedule(session, plan, dropped[0], dropped[1])
 
     def _sequence(
-        self, plan: _Plan, action: Action, session: SessionState, key: GroupKey, out: list[Violation]
+        self,
+        plan: _Plan,
+        action: Action,
+        session: SessionState,
+        key: GroupKey,
+        out: list[Violation],
+        *,
+        first_possible: bool = True,
+        then_possible: bool = True,
     ) -> None:
         act = self._act
-        found = session.get_group(plan.index, key)
+        rules = session.rules
+        slot = None if rules is None else rules[plan.index]
+        # A rule with many groups holds a dict: read (and below add to) it directly.
+        found = slot.get(key, MISSING) if type(slot) is dict else session.get_group(plan.index, key)
         t = action.time_ns
         if plan.compact:
             # Compact state: the kept fields alone (no window, no provenance to report on).
             if found is MISSING:
-                if self._predicate(plan, plan.first, act, "first"):
-                    self._put(plan, session, key, self._kept(plan, action.record))
+                if first_possible:
+                    try:
+                        opens = plan.first_fn(act) is True  # type: ignore[misc]  # sequences have first
+                    except EvaluationError:
+                        self._rule_error(plan, "first")
+                        return
+                    if opens:
+                        kept = self._kept(plan, action.record)
+                        if type(slot) is dict and len(slot) < self._max_groups:
+                            slot[key] = kept  # a new group, the newest: what put_group does here
+                        else:
+                            self._put(plan, session, key, kept)
                 return
-            act["first"] = self._first_view(plan, found)
-            if self._predicate(plan, plan.then, act, "then"):
-                self._emit(self._violation(plan, action, act, session), session, out)
-            act["first"] = _EMPTY
-            if plan.keep_latest and self._predicate(plan, plan.first, act, "first"):
+            if then_possible:
+                act["first"] = self._first_view(plan, found)
+                if self._predicate(plan, plan.then, act, "then"):
+                    self._emit(self._violation(plan, action, act, session), session, out)
+                act["first"] = _EMPTY
+            if plan.keep_latest and first_possible and self._predicate(plan, plan.first, act, "first"):
                 self._put(plan, session, key, self._kept(plan, action.record))
             return
         opened: SequenceState | None = None if found is MISSING else found
@@ -877,7 +1131,7 @@ class Engine:
                 # The window passed: the opener no longer counts, and a new one may open.
                 session.drop_group(plan.index, key)
                 opened = None
-            elif (within is None or timed) and not (plan.report_first and opened.reported):
+            elif then_possible and (within is None or timed) and not (plan.report_first and opened.reported):
                 act["first"] = self._first_view(plan, opened.first)
                 if self._predicate(plan, plan.then, act, "then"):
                     if plan.report_first:
@@ -887,20 +1141,33 @@ class Engine:
                     else:
                         self._emit(self._violation(plan, action, act, session), session, out)
                 act["first"] = _EMPTY
-        if (opened is None or plan.keep_latest) and self._predicate(plan, plan.first, act, "first"):
+        if (opened is None or plan.keep_latest) and first_possible and self._predicate(plan, plan.first, act, "first"):
             prov = self._provenance(action, session) if plan.needs_prov else None
             self._put(plan, session, key, SequenceState(self._kept(plan, action.record), t, prov))
 
     def _absence(
-        self, plan: _Plan, action: Action, session: SessionState, key: GroupKey, out: list[Violation]
+        self,
+        plan: _Plan,
+        action: Action,
+        session: SessionState,
+        key: GroupKey,
+        out: list[Violation],
+        *,
+        first_possible: bool = True,
+        then_possible: bool = True,
     ) -> None:
         act = self._act
         found = session.get_group(plan.index, key)
         wait: Wait | None = None if found is MISSING else found
+        fired = session.fired
+        if then_possible and fired is not None and plan.index in fired.rules:
+            self._resolve_fired(plan, session, key, fired)
         if wait is not None:
-            act["first"] = self._first_view(plan, wait.first)
-            resolved = self._predicate(plan, plan.then, act, "then")
-            act["first"] = _EMPTY
+            resolved = False
+            if then_possible:
+                act["first"] = self._first_view(plan, wait.first)
+                resolved = self._predicate(plan, plan.then, act, "then")
+                act["first"] = _EMPTY
             if resolved:
                 self._forget_wait(session, plan, key, wait)
                 wait = None
@@ -911,7 +1178,7 @@ class Engine:
                         plan, session, key, wait, out, time_ns=action.time_ns, details={"within_actions": wait.actions}
                     )
                     wait = None
-        if (wait is None or plan.keep_latest) and self._predicate(plan, plan.first, act, "first"):
+        if (wait is None or plan.keep_latest) and first_possible and self._predicate(plan, plan.first, act, "first"):
             if wait is not None:
                 self._forget_wait(session, plan, key, wait)
             self._open_wait(plan, action, act, session, key)
@@ -995,7 +1262,43 @@ class Engine:
         }
         # The waiting record itself is gone; messages of absence rules read its kept fields.
         act = {"record": first, "meta": meta, "lists": self._lists, "first": first}
-        self._emit(self._violation_at(plan, prov, session, act, time_ns=time_ns, details=details), session, out)
+        violation = self._violation_at(plan, prov, session, act, time_ns=time_ns, details=details)
+        self._emit(violation, session, out)
+        self._remember_fired(plan, session, key, wait.first, violation.violation_id)
+
+    def _remember_fired(
+        self, plan: _Plan, session: SessionState, key: GroupKey, first: tuple[Any, ...], violation_id: str
+    ) -> None:
+        """Keep a fired wait so that a later resolution can clear its violation (bounded per session)."""
+        limit = self.options.max_fired_waits_per_session
+        if limit == 0:
+            return
+        fired = session.fired
+        if fired is None:
+            fired = session.fired = FiredWaits()
+        if fired.add((plan.index, key, violation_id, first), limit):
+            self._state.counters["fired_waits_dropped"] += 1
+
+    def _resolve_fired(self, plan: _Plan, session: SessionState, key: GroupKey, fired: FiredWaits) -> None:
+        """The record resolves the fired waits of this rule and group whose ``then`` it matches."""
+        act = self._act
+        index = plan.index
+        kept: list[tuple[int, GroupKey, str, tuple[Any, ...]]] = []
+        resolved = 0
+        for entry in fired.entries:
+            if entry[0] == index and entry[1] == key:
+                act["first"] = self._first_view(plan, entry[3])
+                if self._predicate(plan, plan.then, act, "then"):
+                    self._resolutions.append(entry[2])
+                    resolved += 1
+                    continue
+            kept.append(entry)
+        act["first"] = _EMPTY
+        if resolved:
+            fired.replace(kept)
+            fired.resolved += resolved
+            self._state.counters["waits_resolved_late"] += resolved
+            self._dirty.add(session.session_id)
 
     def _fire_session_deadlines(self, session: SessionState, before_ns: int, out: list[Violation]) -> None:
         """Fire the session's waits whose deadline is before ``before_ns``, earliest first."""
@@ -1037,7 +1340,17 @@ class Engine:
                 plan, session, entry.group, wait, out, time_ns=deadline, details={"deadline_unix_nano": deadline}
             )
 
-    def _change(self, plan: _Plan, action: Action, session: SessionState, key: GroupKey, out: list[Violation]) -> None:
+    def _change(
+        self,
+        plan: _Plan,
+        action: Action,
+        session: SessionState,
+        key: GroupKey,
+        out: list[Violation],
+        *,
+        first_possible: bool = True,
+        then_possible: bool = True,
+    ) -> None:
         act = self._act
         try:
             value = plan.field.evaluate(act)  # type: ignore[union-attr]  # change rules have a field
@@ -1051,7 +1364,17 @@ class Engine:
         elif not _same_value(first_value, value):
             self._emit(self._violation(plan, action, act, session), session, out)
 
-    def _count(self, plan: _Plan, action: Action, session: SessionState, key: GroupKey, out: list[Violation]) -> None:
+    def _count(
+        self,
+        plan: _Plan,
+        action: Action,
+        session: SessionState,
+        key: GroupKey,
+        out: list[Violation],
+        *,
+        first_possible: bool = True,
+        then_possible: bool = True,
+    ) -> None:
         act = self._act
         window = plan.window_ns
         t = action.time_ns
@@ -1238,6 +1561,7 @@ class Engine:
             violations_by_rule=dict(session.violations or {}),
             open_waits=open_waits,
             end=end,
+            waits_resolved_late=session.fired.resolved if session.fired is not None else 0,
         )
 
     def summary(self) -> EngineSummary:
@@ -1261,6 +1585,8 @@ class Engine:
             sessions_expired=counters["sessions_expired"],
             sessions_evicted=counters["sessions_evicted"],
             groups_dropped=counters["groups_dropped"],
+            waits_resolved_late=counters["waits_resolved_late"],
+            fired_waits_dropped=counters["fired_waits_dropped"],
             ended_sessions_dropped=self._ended_dropped,
             watermark_ns=self.watermark_ns,
         )

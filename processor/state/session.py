@@ -13,6 +13,10 @@ rule's ``group_by`` expressions; ``""`` when it has none):
 - ``change``: the first value seen, as it is (plain form ``{"value": ...}``);
 - ``count``: :class:`CountState`, recent matching times.
 
+Besides its groups, a session remembers the absence waits that already *fired* (their
+violation went out) and may still be resolved by a later record: :class:`FiredWaits`,
+None until a wait of the session fires.
+
 Memory per idle session is what bounds how many sessions fit, so the layout is compact:
 ``rules`` is a list indexed by rule (None where a rule never touched the session), a
 rule with few groups holds a flat (key, state, key, state, ...) tuple instead of a dict,
@@ -26,6 +30,7 @@ plain form is a dict of the present fields, so a rule file that changes
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
@@ -54,6 +59,8 @@ MISSING: Final = _Missing()
 
 # Up to this many groups of one rule are a flat tuple in a session (a dict beyond).
 SMALL_GROUPS: Final = 8
+# Past this many actions of one kind a session counts kinds in a dict (a tuple is rebuilt per count).
+BUSY_COUNT: Final = 16
 # Up to this many delivery-key digests are packed in one bytes object (8 bytes each).
 SEEN_PACKED_MAX: Final = 64
 
@@ -266,6 +273,67 @@ class CountState:
         return cls(None if times is None else [int(t) for t in times], int(plain["count"]), bool(plain["above"]))
 
 
+# A fired wait: (rule index, group key, violation id, kept first fields).
+FiredEntry = tuple[int, GroupKey, str, tuple[Any, ...]]
+
+
+class SeenDigests:
+    """Many delivery-key digests: a dict for membership, a queue for age.
+
+    Forgetting the oldest pops the queue: O(1), where deleting the first key of a dict
+    again and again would rescan the deleted slots at its front on every insertion.
+    """
+
+    __slots__ = ("members", "order")
+
+    def __init__(self, digests: Iterable[int]) -> None:
+        self.order: deque[int] = deque(digests)
+        self.members: dict[int, None] = dict.fromkeys(self.order)
+
+    def check(self, digest: int, limit: int) -> bool:
+        members = self.members
+        if digest in members:
+            return True
+        members[digest] = None
+        order = self.order
+        order.append(digest)
+        while len(order) > limit:
+            del members[order.popleft()]
+        return False
+
+
+class FiredWaits:
+    """Absence waits of one session that fired unresolved: a later resolution clears their violation.
+
+    ``entries`` holds ``(rule index, group key, violation id, kept first fields)``, oldest
+    first (bounded by the engine); ``rules`` the indices of the rules with an entry (every
+    record of the session asks; entries change rarely); ``resolved`` counts the session's
+    waits resolved after their deadline.
+    """
+
+    __slots__ = ("entries", "resolved", "rules")
+
+    def __init__(self, entries: list[FiredEntry] | None = None, resolved: int = 0) -> None:
+        self.entries: list[FiredEntry] = entries if entries is not None else []
+        self.rules: set[int] = {entry[0] for entry in self.entries}
+        self.resolved = resolved
+
+    def add(self, entry: FiredEntry, limit: int) -> bool:
+        """Remember one more fired wait; True when the oldest was forgotten to stay within ``limit``."""
+        entries = self.entries
+        entries.append(entry)
+        self.rules.add(entry[0])
+        if len(entries) <= limit:
+            return False
+        del entries[: len(entries) - limit]
+        self.rules = {e[0] for e in entries}
+        return True
+
+    def replace(self, entries: list[FiredEntry]) -> None:
+        self.entries = entries
+        self.rules = {entry[0] for entry in entries}
+
+
 _STATE_CLASSES: Final[dict[StateKind, Any]] = {
     "sequence": SequenceState,
     "absence": Wait,
@@ -287,6 +355,7 @@ class SessionState:
     __slots__ = (
         "activity_ns",
         "buffered",
+        "fired",
         "kinds",
         "next_deadline_ns",
         "rules",
@@ -298,17 +367,20 @@ class SessionState:
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
         # Actions by kind, flattened (kind, count, kind, count, ...): a tuple is half a small dict.
-        self.kinds: tuple[str | int, ...] = ()
+        # A busy session (see count_kind) holds a dict instead: counting is then one dict update.
+        self.kinds: tuple[str | int, ...] | dict[str, int] = ()
         self.violations: dict[str, int] | None = None
         self.rules: list[Any] | None = None
         # Delivery-key digests, oldest first: 8 bytes each packed in a bytes while few,
         # an insertion-ordered dict beyond SEEN_PACKED_MAX.
-        self.seen: bytes | dict[int, None] | None = None
+        self.seen: bytes | SeenDigests | None = None
         self.activity_ns: int | None = None
         # Records of this session in the engine's reordering buffer (bounded per session).
         self.buffered = 0
         # A lower bound of the earliest wait deadline (None: no timed wait); refreshed lazily.
         self.next_deadline_ns: int | None = None
+        # Waits that fired and may still be resolved (None: none ever fired in this session).
+        self.fired: FiredWaits | None = None
 
     # Groups of one rule live in its slot of ``rules``: None (no group), a flat tuple
     # (key, state, key, state, ...) while there are at most SMALL_GROUPS of them, else a
@@ -388,28 +460,45 @@ class SessionState:
             return list(zip(slot[::2], slot[1::2], strict=True))
         return list(slot.items())
 
-    def count_kind(self, kind: str) -> tuple[str | int, ...]:
-        """Count one action of ``kind``; returns the new counts (the caller may share equal tuples)."""
+    def count_kind(self, kind: str) -> tuple[str | int, ...] | None:
+        """Count one action of ``kind``; returns the new counts while they are a tuple (the caller
+        may share equal tuples), None once the session counts in a dict (past ``BUSY_COUNT``)."""
         kinds = self.kinds
-        for at in range(0, len(kinds), 2):
-            if kinds[at] == kind:
-                self.kinds = (*kinds[: at + 1], cast(int, kinds[at + 1]) + 1, *kinds[at + 2 :])
-                return self.kinds
-        self.kinds = (*kinds, kind, 1)
+        if type(kinds) is dict:
+            kinds[kind] = kinds.get(kind, 0) + 1
+            return None
+        assert isinstance(kinds, tuple)
+        try:
+            # Counts are ints and kinds strings: only a kind's own slot can be equal to it.
+            at = kinds.index(kind)
+        except ValueError:
+            self.kinds = (*kinds, kind, 1)
+            return self.kinds
+        count = cast(int, kinds[at + 1]) + 1
+        if count > BUSY_COUNT:
+            self.kinds = self.kinds_dict()
+            self.kinds[kind] = count
+            return None
+        self.kinds = (*kinds[: at + 1], count, *kinds[at + 2 :])
         return self.kinds
 
     def kinds_dict(self) -> dict[str, int]:
         kinds = self.kinds
+        if isinstance(kinds, dict):
+            return dict(kinds)
         return {cast(str, kinds[at]): cast(int, kinds[at + 1]) for at in range(0, len(kinds), 2)}
 
     def check_seen(self, digest: int, limit: int) -> bool:
         """True when ``digest`` was seen before; otherwise remember it (at most ``limit``, oldest forgotten)."""
+        return self.check_seen_packed(digest.to_bytes(8, "big"), limit)
+
+    def check_seen_packed(self, packed: bytes, limit: int) -> bool:
+        """:meth:`check_seen` for a digest already packed in 8 big-endian bytes (the engine's form)."""
         seen = self.seen
         if seen is None:
-            self.seen = digest.to_bytes(8, "big")
+            self.seen = packed
             return False
-        if isinstance(seen, bytes):
-            packed = digest.to_bytes(8, "big")
+        if type(seen) is bytes:
             at = seen.find(packed)
             while at != -1:
                 if at % 8 == 0:
@@ -418,13 +507,9 @@ class SessionState:
             if len(seen) < SEEN_PACKED_MAX * 8:
                 self.seen = seen + packed
                 return False
-            seen = self.seen = dict.fromkeys(self.seen_digests())
-        if digest in seen:
-            return True
-        seen[digest] = None
-        if len(seen) > limit:
-            del seen[next(iter(seen))]
-        return False
+            seen = self.seen = SeenDigests(self.seen_digests())
+        assert isinstance(seen, SeenDigests)
+        return seen.check(int.from_bytes(packed, "big"), limit)
 
     def seen_digests(self) -> list[int]:
         seen = self.seen
@@ -432,7 +517,7 @@ class SessionState:
             return []
         if isinstance(seen, bytes):
             return [int.from_bytes(seen[i : i + 8], "big") for i in range(0, len(seen), 8)]
-        return list(seen)
+        return list(seen.order)
 
     def waits(self, indices: Iterable[int] | None = None) -> list[tuple[int, GroupKey, Wait]]:
         """Every open wait of the session: (rule index, group key, wait); ``indices``: the absence rules, if known."""
@@ -458,7 +543,7 @@ class SessionState:
             rules[schema.rule_ids[index]] = [
                 [group_key_to_plain(key), _group_to_plain(kind, names, state)] for key, state in groups
             ]
-        return {
+        plain: dict[str, Any] = {
             "session_id": self.session_id,
             "kinds": self.kinds_dict(),
             "violations": self.violations,
@@ -466,6 +551,20 @@ class SessionState:
             "seen": self.seen_digests(),
             "activity_ns": self.activity_ns,
         }
+        fired = self.fired
+        if fired is not None:
+            # Written only when a wait ever fired: state saved before fired waits existed reads the same.
+            plain["fired"] = [
+                {
+                    "rule": schema.rule_ids[index],
+                    "group": group_key_to_plain(key),
+                    "violation_id": violation_id,
+                    "first": first_to_plain(schema.first_names[index], first),
+                }
+                for index, key, violation_id, first in fired.entries
+            ]
+            plain["resolved_late"] = fired.resolved
+        return plain
 
     @classmethod
     def from_plain(cls, schema: RuleSchema, plain: Mapping[str, Any]) -> SessionState:
@@ -487,8 +586,18 @@ class SessionState:
         if len(digests) <= SEEN_PACKED_MAX:
             state.seen = b"".join(int(d).to_bytes(8, "big") for d in digests) or None
         else:
-            state.seen = dict.fromkeys(int(d) for d in digests)
+            state.seen = SeenDigests(int(d) for d in digests)
         state.activity_ns = plain.get("activity_ns")
+        fired_plain = plain.get("fired")
+        if fired_plain is not None or plain.get("resolved_late"):
+            entries: list[FiredEntry] = []
+            for entry in fired_plain or ():
+                index = schema.index_of(str(entry["rule"]))
+                if index is None or schema.kinds[index] != "absence":
+                    continue
+                first = first_from_plain(schema.first_names[index], entry["first"])
+                entries.append((index, group_key_from_plain(entry["group"]), str(entry["violation_id"]), first))
+            state.fired = FiredWaits(entries, int(plain.get("resolved_late") or 0))
         deadlines = [w.deadline_ns for _, _, w in state.waits() if w.deadline_ns is not None]
         state.next_deadline_ns = min(deadlines) if deadlines else None
         return state

@@ -62,6 +62,11 @@ expressions, and built-in calls on literals that can never succeed
 an absent field), list or tuple, str, int, float, bool, None for null. uint values
 are :class:`UInt` (an ``int``). A constant list may come back as a tuple.
 
+**guard** (a :class:`Guard`, or None) tells cheaply when the expression is certainly
+false on an activation, from its top-level ``&&``/``||`` of ``has(v.f)``, ``v.f ==
+"literal"`` and ``v.f in <constant strings>`` (see :mod:`._guards`); **path** is
+``(variable, field)`` when the expression is exactly ``variable.field``.
+
 **references** lists the (variable, field) pairs an expression reads, so the engine
 keeps only those fields; ``(variable, "*")`` means the whole value is used (for
 example ``size(record)`` or ``record[some_key]``). Constants are not listed.
@@ -76,6 +81,7 @@ from processor.errors import EvaluationError, ExpressionError
 from processor.evaluate.cel._checker import WHOLE_VALUE, check
 from processor.evaluate.cel._compiler import Compiler, always_bool
 from processor.evaluate.cel._environment import Environment
+from processor.evaluate.cel._guards import Guard, extract_guard, field_path
 from processor.evaluate.cel._parser import parse
 from processor.evaluate.cel._values import UInt
 
@@ -85,6 +91,7 @@ __all__ = [
     "Environment",
     "EvaluationError",
     "ExpressionError",
+    "Guard",
     "UInt",
     "compile_expression",
 ]
@@ -99,7 +106,7 @@ class CompiledExpression:
     costs no method dispatch.
     """
 
-    __slots__ = ("evaluate", "predicate", "references", "result_type", "source")
+    __slots__ = ("evaluate", "guard", "path", "predicate", "references", "result_type", "source")
 
     evaluate: Callable[[Mapping[str, Any]], Any]
     predicate: Callable[[Mapping[str, Any]], bool]
@@ -111,8 +118,14 @@ class CompiledExpression:
         references: frozenset[tuple[str, str]],
         result_type: str,
         always_bool: bool = False,
+        *,
+        guard: Guard | None = None,
+        path: tuple[str, str] | None = None,
     ) -> None:
         self.source = source
+        # When this refutes an activation, evaluate() would return false there (see Guard).
+        self.guard = guard
+        self.path = path
         self.evaluate = evaluate
         self.references = references
         # The CEL type the checker inferred ("bool", "int", ... or "dyn").
@@ -144,4 +157,12 @@ def compile_expression(source: str, env: Environment) -> CompiledExpression:
         # The depth limits keep a parse well inside Python's stack; this only
         # happens when the caller was itself nearly out of stack.
         raise ExpressionError("expression is nested too deeply to compile") from None
-    return CompiledExpression(source, code.fn, frozenset(checked.references), tree.ctype, always_bool(tree))
+    return CompiledExpression(
+        source,
+        code.fn,
+        frozenset(checked.references),
+        tree.ctype,
+        always_bool(tree),
+        guard=extract_guard(tree, checked.constants),
+        path=field_path(tree, checked.constants),
+    )

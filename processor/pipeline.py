@@ -44,6 +44,7 @@ class Pipeline:
         """Evaluate a batch (one OTLP request, or a chunk of a file) and export what it found."""
         violations = self.evaluate(items)
         self._export(violations)
+        self.hand_resolutions()
         return violations
 
     def evaluate(self, items: Iterable[Action | Malformed]) -> list[Violation]:
@@ -63,13 +64,27 @@ class Pipeline:
         """Serve's clock: fire the deadlines that passed in silence."""
         violations = self.engine.tick(now_ns)
         self._export(violations)
+        self.hand_resolutions()
         return violations
 
     def finish(self) -> list[Violation]:
         """End of a replay's input: release what was held for ordering, fire due deadlines."""
         violations = self.engine.finish()
         self._export(violations)
+        self.hand_resolutions()
         return violations
+
+    def hand_resolutions(self) -> list[str]:
+        """Tell the exporters which fired waits have since been resolved (an alert ends).
+
+        Called after the batch's violations were exported: one batch can both fire a wait
+        and resolve it, and an alert must exist before it can end.
+        """
+        resolved = self.engine.take_resolutions()
+        if resolved:
+            for exporter in self.exporters:
+                exporter.resolve(resolved)
+        return resolved
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Flush every exporter, sharing the time budget between them."""

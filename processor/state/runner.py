@@ -425,6 +425,7 @@ class DurableWorker:
         self.stats.evaluated += len(chunk)
         self._succeeded()
         self._dispatcher.hand_over(fresh)
+        self._pipeline.hand_resolutions()
         if self._hold is not None:
             now = time.monotonic()
             for work, violations in zip(chunk, found, strict=True):
@@ -533,6 +534,7 @@ class DurableWorker:
             return
         self._succeeded()
         self._dispatcher.hand_over(fresh)
+        self._pipeline.hand_resolutions()
         try:
             self._dispatcher.redeliver_overdue()
         except StateError as exc:

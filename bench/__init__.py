@@ -1,0 +1,1 @@
+"""Durable Check's benchmark suite: performance judged against this stack's limits, measured side by side."""

@@ -1,0 +1,423 @@
+"""Live load: ``durable-check serve`` as a subprocess, a separate client process sending OTLP over gRPC.
+
+The client (``python -m bench.live client ...``) sends requests taken from a generated
+dump (512 spans each, all span ids distinct, so no request is a duplicate of another)
+through a raw gRPC stub, bytes in and bytes out, from several threads, at a paced rate.
+Just before each send it rewrites every span's start and end time to the current
+clock (fixed64 fields patched in place), so event time is send time as it is for live
+agents. It records each request's send and acknowledgement time. serve acknowledges
+a request only after it has been converted and evaluated, so an OK answer means
+processed.
+
+The orchestrator (:func:`run_step`) starts serve on free loopback ports with its
+default state backend and a JSONL exporter, tails the JSONL file while the client
+runs, scrapes serve's self-metrics, stops it with SIGTERM and reads its peak RSS.
+A violation's latency is the time from its request's send to the moment its line
+appeared in the file; only per-record rules are timed (a session rule such as DS110
+fires on a later span of the session, whenever the agent sends it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+from bench.generate import flaws_path, read_otlp_stream
+from bench.peak import vm_hwm_kib
+
+EXPORT_METHOD: Final = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+# Rules that judge a span alone: their violation is due as soon as the span is evaluated.
+PER_RECORD_FLAWS: Final = frozenset(
+    {"unrecorded_llm", "unkeyed_payment", "unbounded_retry", "attempt_over_cap", "cache_without_ttl"}
+)
+PER_RECORD_RULES: Final = frozenset({"DS001", "DS002", "DS003", "DS004", "DS007"})
+_START_TAG: Final = b"\x39"  # Span.start_time_unix_nano: field 7, fixed64
+_END_TAG: Final = b"\x41"  # Span.end_time_unix_nano: field 8, fixed64
+_SPAN_DURATION_NS: Final = 400_000
+_ROOT: Final = Path(__file__).resolve().parents[1]
+
+
+# -- client ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Template:
+    payload: bytes
+    spans: int
+    # Byte offsets of each span's (start, end) time values.
+    offsets: list[tuple[int, int]]
+
+    def stamped(self, now_ns: int) -> bytes:
+        buffer = bytearray(self.payload)
+        pack = struct.pack_into
+        for index, (start, end) in enumerate(self.offsets):
+            at = now_ns + index * 1000
+            pack("<Q", buffer, start, at)
+            pack("<Q", buffer, end, at + _SPAN_DURATION_NS)
+        return bytes(buffer)
+
+
+def template_of(payload: bytes) -> Template:
+    """Find each span's time fields in the serialized request (spans are serialized in order)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest.FromString(payload)
+    offsets: list[tuple[int, int]] = []
+    cursor = 0
+    for resource_spans in request.resource_spans:
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                start = payload.index(_START_TAG + struct.pack("<Q", span.start_time_unix_nano), cursor) + 1
+                end = payload.index(_END_TAG + struct.pack("<Q", span.end_time_unix_nano), start + 8) + 1
+                offsets.append((start, end))
+                cursor = end + 8
+    return Template(payload, len(offsets), offsets)
+
+
+def load_templates(dump: Path, count: int) -> list[Template]:
+    templates: list[Template] = []
+    for payload in read_otlp_stream(dump):
+        if len(templates) >= count:
+            break
+        templates.append(template_of(payload))
+    return templates
+
+
+def client(target: str, dump: Path, *, requests: int, rate: float, streams: int, out: Path) -> None:
+    import grpc
+
+    templates = load_templates(dump, requests)
+    channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)])
+    grpc.channel_ready_future(channel).result(timeout=30)
+    # Bytes in, bytes out: the client spends nothing on (de)serialization.
+    export = channel.unary_unary(EXPORT_METHOD, request_serializer=None, response_deserializer=None)
+    interval_s = templates[0].spans / rate if templates else 0.0
+    sends: list[list[int]] = [[0, 0, 0] for _ in templates]
+    errors: dict[str, int] = {}
+    lock = threading.Lock()
+    next_index = [0]
+    start = time.monotonic() + 0.2
+
+    def worker() -> None:
+        while True:
+            with lock:
+                index = next_index[0]
+                next_index[0] += 1
+            if index >= len(templates):
+                return
+            due = start + index * interval_s
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            sent_ns = time.time_ns()
+            body = templates[index].stamped(sent_ns)
+            try:
+                export(body, timeout=60)
+                status = "OK"
+            except grpc.RpcError as exc:
+                status = exc.code().name if exc.code() is not None else "UNKNOWN"
+            acked_ns = time.time_ns()
+            sends[index] = [sent_ns, acked_ns, 1 if status == "OK" else 0]
+            if status != "OK":
+                with lock:
+                    errors[status] = errors.get(status, 0) + 1
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    channel.close()
+    ok_spans = sum(t.spans for t, s in zip(templates, sends, strict=True) if s[2])
+    out.write_bytes(orjson.dumps({
+        "requests": len(templates),
+        "sent_spans": sum(t.spans for t in templates),
+        "ok_spans": ok_spans,
+        "errors": errors,
+        "sends": sends,
+    }))
+
+
+# -- orchestration -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(slots=True)
+class StepResult:
+    offered_spans_s: float
+    duration_s: float
+    requests: int
+    sent_spans: int
+    ok_spans: int
+    achieved_spans_s: float
+    errors: dict[str, int]
+    evaluated_spans: int | None
+    received_spans: float | None
+    rejected_spans: float | None
+    expected_violations: int
+    found_violations: int
+    latencies_ms: list[float] = field(default_factory=list)
+    # From the last send to the last expected violation in the file, and how much of it is by design
+    # (spans held allowed_lateness for reordering, released by a clock tick).
+    completion_lag_s: float = 0.0
+    held_s: float = 0.0
+    serve_peak_rss_mib: float = 0.0
+    state_backend: str = ""
+    allowed_lateness: str = ""
+
+    @property
+    def lossless(self) -> bool:
+        return (
+            not self.errors
+            and self.ok_spans == self.sent_spans
+            and self.evaluated_spans == self.sent_spans
+            and self.received_spans == self.sent_spans
+            and not self.rejected_spans
+            and self.found_violations == self.expected_violations
+        )
+
+    @property
+    def sustained(self) -> bool:
+        # The client kept the offered pace (serve did not push back through slow acknowledgements), and
+        # evaluation kept up: the last violation came no later than the hold for reordering explains.
+        return (
+            self.lossless
+            and self.achieved_spans_s >= 0.95 * self.offered_spans_s
+            and self.completion_lag_s <= self.held_s + 1.0
+        )
+
+    def percentile_ms(self, q: float) -> float | None:
+        if not self.latencies_ms:
+            return None
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__slots__ if name != "latencies_ms"}
+        out.update(lossless=self.lossless, sustained=self.sustained, latency_samples=len(self.latencies_ms),
+                   p50_ms=self.percentile_ms(0.5), p99_ms=self.percentile_ms(0.99))
+        return out
+
+
+class Tailer(threading.Thread):
+    """Reads new lines of a JSONL file as they are written; notes when each violation was first seen."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(name="jsonl-tailer", daemon=True)
+        self.path = path
+        self.seen: dict[tuple[str, str], int] = {}
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        handle = None
+        pending = b""
+        while True:
+            stopping = self._halt.is_set()
+            if handle is None and self.path.exists():
+                handle = self.path.open("rb")
+            if handle is not None:
+                chunk = handle.read()
+                if chunk:
+                    now = time.time_ns()
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        document = orjson.loads(line)
+                        self.seen.setdefault((document.get("rule", ""), document.get("action_id", "")), now)
+            if stopping:
+                break
+            time.sleep(0.002)
+        if handle is not None:
+            handle.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(10)
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait_ready(port: int, serve: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if serve.poll() is not None:
+            raise RuntimeError(f"serve exited with {serve.returncode} before it was ready")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("serve did not become ready")
+
+
+def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
+             allowed_lateness: str | None = None, state_backend: str | None = None) -> StepResult:
+    """One fresh serve, one client run at ``rate`` spans/s for ``duration_s`` (bounded by the dump's size).
+
+    ``allowed_lateness`` and ``state_backend`` override serve's defaults; None keeps them.
+    """
+    from processor.config import load_config
+
+    flaws = orjson.loads(flaws_path(dump).read_bytes())
+    per_request = 512
+    requests = max(1, min(len(flaws["requests"]), round(rate * duration_s / per_request)))
+    expected: dict[str, int] = {}
+    for index, flawed in enumerate(flaws["requests"][:requests]):
+        for action_id, flaw in flawed:
+            if flaw in PER_RECORD_FLAWS:
+                expected[action_id] = index
+    with tempfile.TemporaryDirectory(prefix="durable-check-bench-") as tmp:
+        work = Path(tmp)
+        grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+        jsonl = work / "violations.jsonl"
+        evaluate = f"evaluate:\n  allowed_lateness: {allowed_lateness}\n" if allowed_lateness is not None else ""
+        if state_backend is not None:
+            evaluate += f"state:\n  backend: {state_backend}\n  path: {work / 'state.db'}\n"
+        config_path = work / "serve.yaml"
+        config_path.write_text(
+            "receivers:\n  otlp:\n"
+            f"    grpc:\n      endpoint: 127.0.0.1:{grpc_port}\n"
+            f"    http:\n      endpoint: 127.0.0.1:{http_port}\n"
+            f"{evaluate}"
+            "exporters:\n"
+            f"  jsonl:\n    path: {jsonl}\n"
+            f"  prometheus:\n    endpoint: 127.0.0.1:{metrics_port}\n"
+            "telemetry:\n  logs:\n    level: info\n",
+            encoding="utf-8",
+        )
+        config = load_config(str(config_path))
+        held_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
+        stderr_path = work / "serve.stderr"
+        env = {**os.environ, "PYTHONPATH": str(_ROOT), "PYTHONPYCACHEPREFIX": str(_ROOT / "bench" / "out" / "pycache")}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        with stderr_path.open("wb") as stderr:
+            serve = subprocess.Popen(
+                [sys.executable, "-m", "processor.cli", "serve", "--config", str(config_path)],
+                cwd=work, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+            )
+        try:
+            _wait_ready(http_port, serve)
+            tailer = Tailer(jsonl)
+            tailer.start()
+            client_out = work / "client.json"
+            subprocess.run(
+                [sys.executable, "-m", "bench.live", "client", "--target", f"127.0.0.1:{grpc_port}",
+                 "--dump", str(dump), "--requests", str(requests), "--rate", str(rate),
+                 "--streams", str(streams), "--out", str(client_out)],
+                cwd=_ROOT, env=env, check=True, timeout=duration_s * 10 + 120,
+            )
+            sent = orjson.loads(client_out.read_bytes())
+            # Violations held for the allowed lateness are released by the clock: wait for them.
+            grace = time.monotonic() + held_s + 5
+            while time.monotonic() < grace and not _all_found(tailer.seen, expected):
+                time.sleep(0.05)
+            import httpx
+
+            metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        finally:
+            # Its address space's own peak (ru_maxrss would include the forked harness's image).
+            peak_kib = vm_hwm_kib(serve.pid)
+            serve.send_signal(signal.SIGTERM)
+            _, status, _ = os.wait4(serve.pid, 0)
+            serve.returncode = os.waitstatus_to_exitcode(status)
+        tailer.stop()
+        log = stderr_path.read_text(encoding="utf-8", errors="replace")
+    evaluated = re.search(r"stopped; (\d+) spans evaluated", log)
+    send_times = sent["sends"]
+    latencies = []
+    for (rule, action_id), seen_ns in tailer.seen.items():
+        if rule in PER_RECORD_RULES and action_id in expected:
+            latencies.append((seen_ns - send_times[expected[action_id]][0]) / 1e6)
+    # Completion rate: spans acknowledged after the first acknowledgement, over the time since it.
+    acks = sorted(s[1] for s in send_times if s[2])
+    span_s = (acks[-1] - acks[0]) / 1e9 if len(acks) > 1 else 0.0
+    after_first = sent["ok_spans"] * (len(acks) - 1) / len(acks) if acks else 0.0
+    found_at = {a: t for (rule, a), t in tailer.seen.items() if rule in PER_RECORD_RULES and a in expected}
+    found = len(found_at)
+    last_send = max((s[0] for s in send_times), default=0)
+    lag_s = (max(found_at.values()) - last_send) / 1e9 if found_at else 0.0
+    return StepResult(
+        offered_spans_s=rate,
+        duration_s=span_s,
+        requests=sent["requests"],
+        sent_spans=sent["sent_spans"],
+        ok_spans=sent["ok_spans"],
+        achieved_spans_s=after_first / span_s if span_s else 0.0,
+        errors=sent["errors"],
+        evaluated_spans=int(evaluated.group(1)) if evaluated else None,
+        received_spans=_metric(metrics, "durable_check_spans_received_total"),
+        rejected_spans=_metric(metrics, "durable_check_spans_rejected_total"),
+        expected_violations=len(expected),
+        found_violations=found,
+        latencies_ms=latencies,
+        completion_lag_s=lag_s,
+        held_s=held_s,
+        serve_peak_rss_mib=peak_kib / 1024,
+        state_backend=config.state.backend,
+        allowed_lateness=f"{float(config.evaluate.allowed_lateness):g}s",
+    )
+
+
+def _all_found(seen: dict[tuple[str, str], int], expected: dict[str, int]) -> bool:
+    found = {a for (rule, a) in seen if rule in PER_RECORD_RULES}
+    return len(found & expected.keys()) == len(expected)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("client", help="send requests of a dump at a paced rate (run by the orchestrator)")
+    c.add_argument("--target", required=True)
+    c.add_argument("--dump", type=Path, required=True)
+    c.add_argument("--requests", type=int, required=True)
+    c.add_argument("--rate", type=float, required=True, help="spans per second")
+    c.add_argument("--streams", type=int, default=8)
+    c.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("step", help="one serve + client run; prints the step's result")
+    s.add_argument("dump", type=Path)
+    s.add_argument("--rate", type=float, required=True)
+    s.add_argument("--duration", type=float, default=10.0)
+    s.add_argument("--streams", type=int, default=8)
+    s.add_argument("--allowed-lateness", default=None)
+    s.add_argument("--state", default=None, help="state backend (default: serve's default)")
+    args = parser.parse_args(argv)
+    if args.command == "client":
+        client(args.target, args.dump, requests=args.requests, rate=args.rate, streams=args.streams, out=args.out)
+        return 0
+    result = run_step(args.dump, args.rate, args.duration, streams=args.streams,
+                      allowed_lateness=args.allowed_lateness, state_backend=args.state)
+    sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,532 @@
+"""Durable Check's benchmark: each number beside the limit of this stack, measured in the same run.
+
+    python -m bench [--size tiny|small|full] [--runs N] [--skip SECTION ...]
+
+Sections (rows of the table):
+
+- ``replay_otlp``: ``durable-check replay --format json --input-format otlp-proto-stream``
+  over a generated Collector proto dump, beside ``bench.limits otlp`` (parse the same
+  requests, read the attributes conversion needs, nothing else).
+- ``replay_actions``: replay of an action log, beside a plain ``json.loads`` loop.
+- ``replay_rss``: peak RSS of replay at two input lengths (a tenth, and all, of the
+  dump), the same sessions in both.
+- ``live``: ``durable-check serve`` with its default state backend; offered load is
+  stepped up until a step loses a span or falls behind; the same with the other store
+  (``sqlite`` when the default is ``memory``); then the send-to-violation latency at
+  half the sustained rate (with the default allowed lateness, and with 0s).
+- ``memory``: RSS per idle open session (``bench/bench_sessions_memory.py``).
+- ``rules``: per-record evaluation time of the shipped packs and of 10, 50 and 200
+  generated condition rules.
+
+Every measured command runs in a fresh subprocess: wall time and CPU time from
+``os.wait4``, peak RSS from the child's own address space (:mod:`bench.peak`). Replay
+rates are per CPU-second, medians over ``--runs`` runs; ratios are medians of the
+ratios of runs taken back to back. Generated inputs are cached under ``bench/out/``;
+the table is printed and written to ``bench/out/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+from bench import generate, live
+
+ROOT: Final = Path(__file__).resolve().parents[1]
+OUT: Final = ROOT / "bench" / "out"
+SECTIONS: Final = ("replay_otlp", "replay_actions", "replay_rss", "live", "memory", "rules")
+# Every row the table has, whatever the size (tests/test_bench_smoke.py checks them).
+ROW_KEYS: Final = (
+    "replay_otlp.rate", "replay_otlp.rss", "replay_actions.rate", "replay_actions.rss",
+    "replay_rss.small", "replay_rss.large", "live.sustained", "live.sustained.other",
+    "live.p50.default", "live.p99.default",
+    "live.p50.zero", "live.p99.zero", "memory.smaller", "memory.larger",
+    "rules.shipped", "rules.10", "rules.50", "rules.200",
+)
+
+
+@dataclass(frozen=True)
+class Size:
+    spans: int
+    sessions: int
+    actions: int
+    live_rates: tuple[int, ...]
+    live_step_s: float
+    memory_sessions: tuple[int, ...]
+    rule_records: int
+
+
+SIZES: Final = {
+    "tiny": Size(spans=10_240, sessions=100, actions=10_000, live_rates=(2_000,), live_step_s=1.0,
+                 memory_sessions=(1_000, 5_000), rule_records=2_000),
+    "small": Size(spans=102_400, sessions=1_000, actions=100_000,
+                  live_rates=(5_000, 10_000, 15_000, 20_000, 25_000, 30_000, 40_000), live_step_s=5.0,
+                  memory_sessions=(10_000, 100_000), rule_records=20_000),
+    "full": Size(spans=1_000_000, sessions=10_000, actions=1_000_000,
+                 live_rates=(5_000, 10_000, 15_000, 20_000, 25_000, 30_000, 35_000, 40_000, 50_000, 60_000),
+                 live_step_s=20.0, memory_sessions=(10_000, 100_000), rule_records=50_000),
+}
+RULE_COUNTS: Final = (10, 50, 200)
+
+# Targets, stated once: (comparison, threshold).
+TARGET_OTLP_RATIO: Final = 0.6
+TARGET_ACTIONS_RATIO: Final = 2.0
+TARGET_LIVE_SPANS_S: Final = 25_000
+TARGET_P99_MS: Final = 250.0
+TARGET_SESSION_BYTES: Final = 2048
+
+
+# -- measuring a command ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measured:
+    wall_s: float
+    cpu_s: float
+    peak_rss_mib: float
+    returncode: int
+    stdout: bytes
+
+
+def child_env() -> dict[str, str]:
+    """The environment of measured processes: compiled bytecode is cached (under bench/out/), as in an install."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONPYCACHEPREFIX": str(OUT / "pycache")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def run_measured(command: Sequence[str], timeout_s: float = 3600.0) -> Measured:
+    """Run ``command`` (``python -m MODULE ...``) in a fresh process.
+
+    CPU time from ``wait4`` (this child's alone, not its siblings'); peak RSS from the
+    child's own address space (see :mod:`bench.peak`).
+    """
+    if list(command[:2]) != [sys.executable, "-m"]:
+        raise ValueError("run_measured runs python -m MODULE commands")
+    stdout_path = OUT / f".stdout-{os.getpid()}"
+    peak_path = OUT / f".peak-{os.getpid()}"
+    peak_path.unlink(missing_ok=True)
+    env = {**child_env(), "BENCH_PEAK_FILE": str(peak_path)}
+    command = [sys.executable, "-m", "bench.peak", *command[2:]]
+    with stdout_path.open("wb") as stdout:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                process.kill()
+                pid, status, usage = os.wait4(process.pid, 0)
+                break
+            time.sleep(0.005)
+        wall = time.perf_counter() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    stderr = process.stderr.read() if process.stderr is not None else b""
+    if process.stderr is not None:
+        process.stderr.close()
+    output = stdout_path.read_bytes()
+    stdout_path.unlink()
+    peak_kib = int(peak_path.read_text(encoding="ascii")) if peak_path.exists() else 0
+    peak_path.unlink(missing_ok=True)
+    # replay exits 1 when it found violations: that is its normal answer here.
+    if process.returncode not in (0, 1):
+        tail = stderr.decode(errors="replace")[-2000:]
+        raise RuntimeError(f"{' '.join(command)} exited {process.returncode}: {tail}")
+    return Measured(wall, usage.ru_utime + usage.ru_stime, peak_kib / 1024, process.returncode, output)
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def replay_command(path: Path, input_format: str) -> list[str]:
+    return python("-m", "processor.cli", "replay", "--format", "json", "--input-format", input_format, str(path))
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+
+def data_dir() -> Path:
+    path = OUT / "data"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def otlp_dump(spans: int, sessions: int, log: Callable[[str], None]) -> tuple[Path, dict[str, int]]:
+    path = data_dir() / f"otlp-{spans}-{sessions}-v{generate.GENERATOR_VERSION}.bin"
+    sidecar = generate.flaws_path(path)
+    if not (path.exists() and sidecar.exists()):
+        log(f"generating {spans:,} spans of {sessions:,} sessions into {path.relative_to(ROOT)} ...")
+        generate.write_otlp_stream(path, spans, sessions)
+    stats: dict[str, int] = orjson.loads(sidecar.read_bytes())["stats"]
+    return path, stats
+
+
+def action_log(records: int, sessions: int, log: Callable[[str], None]) -> tuple[Path, dict[str, int]]:
+    path = data_dir() / f"actions-{records}-{sessions}-v{generate.GENERATOR_VERSION}.jsonl"
+    meta = path.with_name(path.name + ".stats.json")
+    if not (path.exists() and meta.exists()):
+        log(f"generating {records:,} action records of {sessions:,} sessions into {path.relative_to(ROOT)} ...")
+        stats = generate.write_action_log(path, records, sessions)
+        meta_tmp = meta.with_name(f"{meta.name}.{os.getpid()}.partial")
+        meta_tmp.write_bytes(orjson.dumps(stats.as_dict()))
+        meta_tmp.replace(meta)
+    result: dict[str, int] = orjson.loads(meta.read_bytes())
+    return path, result
+
+
+# -- table --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    key: str  # stable name of the row (the smoke test checks every one is present)
+    metric: str
+    value: float | None
+    unit: str
+    reference: str = ""
+    ratio: float | None = None
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit in ("spans/s", "records/s", "spans/CPU-s", "records/CPU-s", "B/session"):
+        return f"{value:,.0f} {unit}"
+    if unit in ("MiB", "ms", "us/record"):
+        return f"{value:,.1f} {unit}"
+    return f"{value:,.2f} {unit}".rstrip()
+
+
+def render(rows: list[Row]) -> str:
+    header = ("metric", "value", "limit / reference", "ratio", "target", "met")
+    body = [
+        (
+            row.metric,
+            _fmt(row.value, row.unit),
+            row.reference,
+            "-" if row.ratio is None else f"{row.ratio:.2f}",
+            row.target,
+            {True: "yes", False: "NO", None: ""}[row.met],
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header))]
+    out = [" | ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True))]
+    out.append("-+-".join("-" * width for width in widths))
+    out += [" | ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in body]
+    return "\n".join(out)
+
+
+def render_markdown(rows: list[Row]) -> str:
+    out = ["| metric | value | limit / reference | ratio | target | met |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        ratio = "-" if row.ratio is None else f"{row.ratio:.2f}"
+        met = {True: "yes", False: "**no**", None: ""}[row.met]
+        out.append(f"| {row.metric} | {_fmt(row.value, row.unit)} | {row.reference} | {ratio} | {row.target} | {met} |")
+    return "\n".join(out)
+
+
+# -- sections -----------------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def replay_vs_limit(path: Path, input_format: str, limit: str, *, items: int, expected_actions: int,
+                    runs: int) -> dict[str, Any]:
+    """Replay and its limit loop, alternated so that background load hits both alike."""
+    replay_runs: list[Measured] = []
+    limit_runs: list[Measured] = []
+    # Unmeasured warm-up: bytecode cache and page cache as a second run finds them.
+    run_measured(python("-m", "bench.limits", limit, str(path)))
+    run_measured(replay_command(path, input_format))
+    for _ in range(runs):
+        limit_run = run_measured(python("-m", "bench.limits", limit, str(path)))
+        seen = orjson.loads(limit_run.stdout)["items"]
+        if seen != items:
+            raise RuntimeError(f"limit loop saw {seen} items, expected {items}")
+        limit_runs.append(limit_run)
+        replay_run = run_measured(replay_command(path, input_format))
+        report = orjson.loads(replay_run.stdout)
+        if report["actions"] != expected_actions:
+            raise RuntimeError(f"replay read {report['actions']} actions, expected {expected_actions}")
+        replay_runs.append(replay_run)
+    # Rates per CPU-second of the process (user + system; both are single-threaded): other
+    # processes on the machine do not count against it. Wall-clock rates are kept beside them.
+    return {
+        "items": items,
+        "violations": report["violations"] if isinstance(report["violations"], int) else len(report["violations"]),
+        "replay_rate": _median([items / r.cpu_s for r in replay_runs]),
+        "replay_wall_rate": _median([items / r.wall_s for r in replay_runs]),
+        "replay_peak_rss_mib": _median([r.peak_rss_mib for r in replay_runs]),
+        "limit_rate": _median([items / r.cpu_s for r in limit_runs]),
+        "limit_wall_rate": _median([items / r.wall_s for r in limit_runs]),
+        "limit_peak_rss_mib": _median([r.peak_rss_mib for r in limit_runs]),
+        "ratio": _median([lr.cpu_s / rr.cpu_s for rr, lr in zip(replay_runs, limit_runs, strict=True)]),
+        "wall_ratio": _median([lr.wall_s / rr.wall_s for rr, lr in zip(replay_runs, limit_runs, strict=True)]),
+        "replay_wall_s": [r.wall_s for r in replay_runs],
+        "replay_cpu_s": [r.cpu_s for r in replay_runs],
+        "limit_wall_s": [r.wall_s for r in limit_runs],
+        "limit_cpu_s": [r.cpu_s for r in limit_runs],
+    }
+
+
+def section_replay_otlp(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
+    path, stats = otlp_dump(size.spans, size.sessions, log)
+    log(f"replay_otlp: {stats['spans']:,} spans, {stats['attributes'] / stats['spans']:.1f} attributes a span, "
+        f"{stats['flawed_actions'] / stats['actions']:.1%} of actions flawed")
+    result = replay_vs_limit(path, "otlp-proto-stream", "otlp", items=stats["spans"],
+                             expected_actions=stats["actions"], runs=runs)
+    result["input"] = stats
+    details["replay_otlp"] = result
+    ratio = result["ratio"]
+    return [
+        Row("replay_otlp.rate", f"replay OTLP proto stream ({stats['spans']:,} spans)", result["replay_rate"],
+            "spans/CPU-s",
+            f"{result['limit_rate']:,.0f} spans/CPU-s (parse + read needed attributes)", ratio,
+            f">= {TARGET_OTLP_RATIO}x limit", ratio >= TARGET_OTLP_RATIO),
+        Row("replay_otlp.rss", "replay OTLP: peak RSS", result["replay_peak_rss_mib"], "MiB",
+            f"{result['limit_peak_rss_mib']:,.1f} MiB (limit loop)"),
+    ]
+
+
+def section_replay_actions(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
+    path, stats = action_log(size.actions, size.sessions, log)
+    log(f"replay_actions: {stats['actions']:,} lines")
+    result = replay_vs_limit(path, "actions", "actions", items=stats["actions"], expected_actions=stats["actions"],
+                             runs=runs)
+    result["input"] = stats
+    details["replay_actions"] = result
+    ratio = result["ratio"]
+    return [
+        Row("replay_actions.rate", f"replay action log ({stats['actions']:,} lines)", result["replay_rate"],
+            "records/CPU-s",
+            f"{result['limit_rate']:,.0f} records/CPU-s (json.loads loop)", ratio,
+            f">= {TARGET_ACTIONS_RATIO}x loop", ratio >= TARGET_ACTIONS_RATIO),
+        Row("replay_actions.rss", "replay action log: peak RSS", result["replay_peak_rss_mib"], "MiB",
+            f"{result['limit_peak_rss_mib']:,.1f} MiB (json.loads loop)"),
+    ]
+
+
+def section_replay_rss(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
+    rows = []
+    measured: dict[int, float] = {}
+    # The same sessions in both dumps, ten times as long in the second: only the input's length differs
+    # (what grows with the number of open sessions is the memory section's subject).
+    for spans, sessions in ((size.spans // 10, size.sessions), (size.spans, size.sessions)):
+        path, stats = otlp_dump(spans, sessions, log)
+        log(f"replay_rss: {stats['spans']:,} spans")
+        peaks = [run_measured(replay_command(path, "otlp-proto-stream")).peak_rss_mib for _ in range(runs)]
+        measured[stats["spans"]] = _median(peaks)
+    (small, small_rss), (large, large_rss) = sorted(measured.items())
+    details["replay_rss"] = {"peak_rss_mib_by_spans": measured}
+    growth = large_rss / small_rss
+    held = f"{size.sessions:,} sessions"
+    rows.append(Row("replay_rss.small", f"replay peak RSS at {small:,} spans, {held}", small_rss, "MiB"))
+    rows.append(Row("replay_rss.large", f"replay peak RSS at {large:,} spans, {held}", large_rss, "MiB",
+                    f"{small_rss:,.1f} MiB at {small // 1000:,}k spans", growth,
+                    "flat (ratio near 1)", growth < 1.25))
+    return rows
+
+
+def sustained_search(path: Path, size: Size, log: Callable[[str], None],
+                     state_backend: str | None) -> tuple[list[live.StepResult], live.StepResult | None]:
+    """Step the offered load up until a step is not sustained; the steps run and the last sustained one."""
+    steps = []
+    sustained: live.StepResult | None = None
+    for offered in size.live_rates:
+        step = live.run_step(path, offered, size.live_step_s, state_backend=state_backend)
+        steps.append(step)
+        log(f"live ({step.state_backend}): offered {offered:,} spans/s -> achieved {step.achieved_spans_s:,.0f}, "
+            f"lossless={step.lossless}, sustained={step.sustained}")
+        if not step.sustained:
+            break
+        sustained = step
+    return steps, sustained
+
+
+def sustained_row(key: str, steps: list[live.StepResult], sustained: live.StepResult | None,
+                  label: str) -> Row:
+    rate = sustained.offered_spans_s if sustained is not None else 0.0
+    last = steps[-1]
+    stopped = f"every step up to {last.offered_spans_s:,.0f} offered was sustained"
+    if last is not sustained:
+        stopped = (f"{last.offered_spans_s:,.0f} offered: {last.achieved_spans_s:,.0f} achieved, "
+                   f"errors {last.errors or 'none'}, evaluated {last.evaluated_spans}/{last.sent_spans}")
+    return Row(key, f"serve sustained, nothing lost (state: {label})", rate, "spans/s",
+               stopped, None, f">= {TARGET_LIVE_SPANS_S:,}", rate >= TARGET_LIVE_SPANS_S)
+
+
+def section_live(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
+    path, _ = otlp_dump(size.spans, size.sessions, log)
+    steps, sustained = sustained_search(path, size, log, None)
+    details["live_steps"] = [s.as_dict() for s in steps]
+    backend = steps[0].state_backend
+    rows = [sustained_row("live.sustained", steps, sustained, f"{backend}, the default")]
+    # The other store, so that both the in-memory and the crash-safe numbers are in every table.
+    other = "sqlite" if backend != "sqlite" else "memory"
+    other_steps, other_sustained = sustained_search(path, size, log, other)
+    details[f"live_steps_{other}"] = [s.as_dict() for s in other_steps]
+    rows.append(sustained_row("live.sustained.other", other_steps, other_sustained, other))
+    rate = sustained.offered_spans_s if sustained is not None else 0.0
+    half = rate / 2
+    for lateness in (None, "0s"):
+        name = "default" if lateness is None else "zero"
+        if sustained is None:
+            for q in ("p50", "p99"):
+                rows.append(Row(f"live.{q}.{name}", f"send -> violation {q}, allowed_lateness {lateness or 'default'}",
+                                None, "ms", "not measured: no offered rate was sustained"))
+            continue
+        results = [live.run_step(path, half, size.live_step_s, allowed_lateness=lateness) for _ in range(runs)]
+        p50s = [r.percentile_ms(0.5) for r in results]
+        p99s = [r.percentile_ms(0.99) for r in results]
+        if any(p is None for p in p50s + p99s):
+            for q in ("p50", "p99"):
+                rows.append(Row(f"live.{q}.{name}", f"send -> violation {q}, allowed_lateness {lateness or 'default'}",
+                                None, "ms", "not measured: no violation was timed"))
+            continue
+        p50 = _median([p for p in p50s if p is not None])
+        p99 = _median([p for p in p99s if p is not None])
+        label = results[0].allowed_lateness + (" (default)" if lateness is None else "")
+        details[f"live_latency_lateness_{results[0].allowed_lateness}"] = [r.as_dict() for r in results]
+        log(f"live latency at {half:,.0f} spans/s, allowed_lateness {label}: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+        where = f"at {half:,.0f} spans/s, allowed_lateness {label}"
+        rows.append(Row(f"live.p50.{name}", f"send -> violation p50 {where}", p50, "ms"))
+        rows.append(Row(f"live.p99.{name}", f"send -> violation p99 {where}", p99, "ms",
+                        "", None, f"< {TARGET_P99_MS:.0f} ms", p99 < TARGET_P99_MS,
+                        "spans are held allowed_lateness for reordering" if lateness is None else ""))
+    return rows
+
+
+def section_memory(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
+    rows = []
+    results = {}
+    for name, sessions in zip(("smaller", "larger"), size.memory_sessions, strict=True):
+        command = python("-m", "bench.bench_sessions_memory", "--child", str(sessions))
+        values = [orjson.loads(run_measured(command).stdout)["bytes_per_session"] for _ in range(runs)]
+        value = _median(values)
+        results[sessions] = values
+        log(f"memory: {sessions:,} idle sessions: {value:,.0f} B/session")
+        rows.append(Row(f"memory.{name}", f"RSS per idle open session at {sessions:,} sessions", value, "B/session",
+                        "", None, f"<= {TARGET_SESSION_BYTES} B", value <= TARGET_SESSION_BYTES))
+    details["memory"] = results
+    return rows
+
+
+def section_rules(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
+    path, _ = action_log(size.actions, size.sessions, log)
+    rows = []
+    results: dict[str, Any] = {}
+    for rules in ("shipped", *map(str, RULE_COUNTS)):
+        samples = [
+            orjson.loads(run_measured(python("-m", "bench.rulecost", "--log", str(path), "--records",
+                                             str(size.rule_records), "--rules", rules)).stdout)
+            for _ in range(runs)
+        ]
+        cost = _median([s["us_per_record"] for s in samples])
+        results[rules] = samples
+        count = samples[0]["rule_count"]
+        label = f"shipped packs ({count} rules)" if rules == "shipped" else f"{count} generated condition rules"
+        log(f"rules: {label}: {cost:.1f} us/record")
+        rows.append(Row(f"rules.{rules}", f"evaluation per record, {label}", cost, "us/record",
+                        "" if rules == "shipped" else f"{cost / count:.2f} us per rule"))
+    details["rules"] = results
+    return rows
+
+
+SECTION_FUNCTIONS: Final = {
+    "replay_otlp": section_replay_otlp,
+    "replay_actions": section_replay_actions,
+    "replay_rss": section_replay_rss,
+    "live": section_live,
+    "memory": section_memory,
+    "rules": section_rules,
+}
+
+
+def machine() -> dict[str, str]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        memory = subprocess.run(["free", "-h"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        memory = ""
+    return {
+        "nproc": str(len(os.sched_getaffinity(0))),
+        "cpu": cpu,
+        "memory": memory,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=tuple(SIZES), default="small")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each measurement (median reported)")
+    parser.add_argument("--skip", action="append", default=[], choices=SECTIONS, help="leave a section out")
+    parser.add_argument("--out", type=Path, default=OUT / "results.json")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    OUT.mkdir(parents=True, exist_ok=True)
+    size = SIZES[args.size]
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        sys.stderr.write(f"[{time.monotonic() - started:7.1f}s] {message}\n")
+        sys.stderr.flush()
+
+    rows: list[Row] = []
+    details: dict[str, Any] = {"load_average": {}}
+    for name in SECTIONS:
+        if name in args.skip:
+            continue
+        # Other work on the machine skews wall-clock numbers (live above all): say how much there was.
+        before = os.getloadavg()[0]
+        rows += SECTION_FUNCTIONS[name](size, args.runs, log, details)
+        details["load_average"][name] = {"before": before, "after": os.getloadavg()[0]}
+    table = render(rows)
+    sys.stdout.write(table + "\n")
+    result = {
+        "size": args.size,
+        "runs": args.runs,
+        "machine": machine(),
+        "command": f"python -m bench --size {args.size} --runs {args.runs}",
+        "elapsed_s": time.monotonic() - started,
+        "rows": [row.as_dict() for row in rows],
+        "markdown": render_markdown(rows),
+        "details": details,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    log(f"table written to {args.out}")
+    return 0

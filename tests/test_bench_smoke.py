@@ -1,0 +1,88 @@
+"""The benchmark harness runs end to end at its tiny size and its table has every row.
+
+A smoke test only: no timing is asserted (performance is judged by running the
+benchmark, see docs/performance.md). The run starts real serve and replay processes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+from bench.generate import Story, rule_file_text, write_otlp_stream
+from bench.live import template_of
+from bench.run import ROW_KEYS
+from processor.evaluate.rulefmt import load_rules
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_benchmark_produces_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--size", "tiny", "--runs", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = orjson.loads(out.read_bytes())
+    keys = [row["key"] for row in result["rows"]]
+    assert keys == list(ROW_KEYS)
+    for row in result["rows"]:
+        assert row["metric"] in done.stdout
+    by_key = {row["key"]: row for row in result["rows"]}
+    # Each measured section produced a number (the live latency rows need a sustained rate).
+    for key in ("replay_otlp.rate", "replay_actions.rate", "replay_rss.large", "memory.larger", "rules.200"):
+        assert by_key[key]["value"] is not None and by_key[key]["value"] > 0, key
+    assert result["machine"]["nproc"]
+    assert result["details"]["replay_otlp"]["input"]["spans"] == 10_240
+
+
+def test_generated_dump_is_deterministic_and_flaws_are_recorded(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
+    stats = write_otlp_stream(first, 2_000, 20, seed=3)
+    write_otlp_stream(second, 2_000, 20, seed=3)
+    assert first.read_bytes() == second.read_bytes()
+    assert stats.spans == 2_000 and stats.requests == 4
+    assert 10 <= stats.attributes / stats.spans <= 14
+    sidecar = orjson.loads((tmp_path / "a.bin.flaws.json").read_bytes())
+    assert sum(len(r) for r in sidecar["requests"]) == stats.flawed_actions > 0
+
+
+def test_story_interleaves_sessions_in_time_order() -> None:
+    spans = list(Story(sessions=40, turns=2, seed=1).spans())
+    assert len(spans) == 40 * 2 * 10
+    times = [s.time_ns for s in spans]
+    assert times == sorted(times)
+    # Sessions interleave: the first 50 spans already come from many sessions.
+    assert len({s.session for s in spans[:50]}) > 10
+
+
+def test_time_fields_are_found_and_restamped(tmp_path: Path) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from bench.generate import read_otlp_stream
+
+    dump = tmp_path / "d.bin"
+    write_otlp_stream(dump, 600, 10)
+    payload = next(read_otlp_stream(dump))
+    template = template_of(payload)
+    assert template.spans == 512
+    stamped = ExportTraceServiceRequest.FromString(template.stamped(2_000_000_000_000_000_000))
+    spans = [s for rs in stamped.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    original = [s for rs in ExportTraceServiceRequest.FromString(payload).resource_spans
+                for ss in rs.scope_spans for s in ss.spans]
+    assert all(s.start_time_unix_nano >= 2_000_000_000_000_000_000 for s in spans)
+    assert all(s.end_time_unix_nano > s.start_time_unix_nano for s in spans)
+    # Nothing but the times changed.
+    assert [s.span_id for s in spans] == [s.span_id for s in original]
+    assert [len(s.attributes) for s in spans] == [len(s.attributes) for s in original]
+
+
+def test_generated_rules_load_through_the_real_loader(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(rule_file_text(50), encoding="utf-8")
+    ruleset = load_rules([path], include_shipped=False)
+    assert len(ruleset.rules) == 50

@@ -220,7 +220,8 @@ class PostgresStateConfig:
 class StateConfig:
     """Where the engine's state, the inbox journal and the outbox live (docs/state.md)."""
 
-    backend: Literal["memory", "sqlite", "postgres"] = "memory"
+    # sqlite by default: what serve acknowledges survives a crash (docs/state.md).
+    backend: Literal["memory", "sqlite", "postgres"] = "sqlite"
     path: str = f"{DATA_DIR}/state.db"
     # sqlite: FULL fsyncs every commit (an acknowledged request survives a power cut); NORMAL does not.
     synchronous: Literal["full", "normal"] = "full"
@@ -340,7 +341,7 @@ receivers:
     http:
       endpoint: 127.0.0.1:4318
 state:
-  backend: memory
+  backend: sqlite
   path: {DATA_DIR}/state.db
 exporters:
   jsonl:

@@ -45,6 +45,10 @@ def serve_config(tmp_path: Path, extra: Mapping[str, Any] | None = None) -> Conf
         "receivers": {"otlp": {"grpc": {"endpoint": "127.0.0.1:0"}, "http": {"endpoint": "127.0.0.1:0"}}},
         "evaluate": {"tick_interval": "50ms"},
         "exporters": {"jsonl": {"path": str(tmp_path / "violations.jsonl")}},
+        # These tests are about receiving: the in-memory state evaluates what it holds at
+        # shutdown, so a test can stop the server and read every violation. The durable
+        # default (sqlite) has its own tests (test_state_*.py, test_crash_recovery.py).
+        "state": {"backend": "memory", "path": str(tmp_path / "state.db")},
     }
     return parse_config(yaml.safe_dump(_merge(base, extra or {})), "test configuration")
 
@@ -55,6 +59,7 @@ def config_file(tmp_path: Path, extra: Mapping[str, Any] | None = None) -> Path:
         "receivers": {"otlp": {"grpc": {"endpoint": "127.0.0.1:0"}, "http": {"endpoint": "127.0.0.1:0"}}},
         "evaluate": {"tick_interval": "50ms"},
         "exporters": {"jsonl": {"path": str(tmp_path / "violations.jsonl")}},
+        "state": {"backend": "memory", "path": str(tmp_path / "state.db")},
     }
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(_merge(base, extra or {})), encoding="utf-8")

@@ -1,6 +1,6 @@
 """``durable-check replay``: the streaming engine over trace dumps and action logs.
 
-Exit 0: no violations; 1: violations; 2: an input could not be read, or a usage error.
+Exit 0: no violations; 1: violations or malformed items; 2: an input could not be read, or a usage error.
 Replay is the serve pipeline fed from files: the same converter, engine and rules.
 """
 
@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
         help="check trace dumps or action logs offline",
         description=(
             "Check whether the sessions in trace dumps or action logs would survive a crash. "
-            "Exit 0: no violations; 1: violations; 2: an input could not be read."
+            "Exit 0: no violations; 1: violations or malformed items; 2: an input could not be read."
         ),
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="file to read (gzip/zstd ok); - for standard input")
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConverter, report: Report) -> int:
     from processor.receive.files import read_batches
-    from processor.report import write_json, write_text
+    from processor.report import printable, write_json, write_text
 
     try:
         for path in args.inputs:
@@ -117,8 +117,9 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConvert
                     report.tally(batch.actions, batch.malformed)
                     report.add(pipeline.process(batch.items))
             except InputError as exc:
+                # Said here, once, as it happens; the report's last line counts it (see processor.report).
                 report.unreadable.append(str(exc))
-                sys.stderr.write(f"durable-check: {exc}\n")
+                sys.stderr.write(f"durable-check: {printable(str(exc))}\n")
         report.add(pipeline.finish())
         report.summary = pipeline.engine.summary()
         if args.format == "json":
@@ -128,9 +129,7 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConvert
         sys.stdout.flush()
     finally:
         report.close()
-    if report.unreadable:
-        return 2
-    return 1 if report.violation_count else 0
+    return report.exit_code
 
 
 @contextmanager

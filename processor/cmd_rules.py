@@ -55,6 +55,10 @@ def register(subparsers: Any) -> None:
     listing.set_defaults(func=run_list)
 
 
+def _names(paths: list[str]) -> str:
+    return ", ".join(paths)
+
+
 def _unreadable(paths: list[Path], err: TextIO) -> bool:
     bad = False
     for path in paths:
@@ -75,7 +79,7 @@ def run_check(args: argparse.Namespace) -> int:
 
     files = rule_files_in(args.paths)
     if not files:
-        err.write("durable-check: no rule files found in the given directories\n")
+        err.write(f"durable-check: no rule files (*.yaml, *.yml; tests excluded) in {_names(args.paths)}\n")
         return EXIT_UNREADABLE
     if _unreadable(files, err):
         return EXIT_UNREADABLE
@@ -113,7 +117,7 @@ def run_test(args: argparse.Namespace) -> int:
 
     files = expand_test_paths(args.paths)
     if not files:
-        err.write("durable-check: no *.test.yaml files found in the given directories\n")
+        err.write(f"durable-check: no rule test files (*.test.yaml) in {_names(args.paths)}\n")
         return EXIT_UNREADABLE
     if _unreadable(files, err):
         return EXIT_UNREADABLE

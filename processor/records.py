@@ -13,6 +13,7 @@ as an integer, whether its action id had to be made up) travels beside the recor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -102,6 +103,18 @@ def json_type_name(value: Any) -> str:
     return type(value).__name__
 
 
+# Integers are signed 64-bit downstream (state stores, OTLP, JSON readers).
+INT64_MIN: Final = -(2**63)
+INT64_MAX: Final = 2**63 - 1
+
+
+def _beyond_int64(value: Any) -> bool:
+    """A whole number (an integer, or a JSON integer too large that the parser gave as a float) past 64 bits."""
+    if type(value) is int:
+        return not INT64_MIN <= value <= INT64_MAX
+    return type(value) is float and math.isfinite(value) and value.is_integer() and not INT64_MIN <= value <= INT64_MAX
+
+
 def _has_type(value: Any, expected: FieldType) -> bool:
     if expected == "any":
         return True
@@ -135,12 +148,16 @@ def validate_record(record: Record) -> list[str]:
             if name in REQUIRED_FIELDS:
                 continue  # already reported as missing
             continue
-        if not _has_type(value, expected):
+        if expected in ("int", "str|int") and _beyond_int64(value):
+            problems.append(f"field {name} must be {_TYPE_WORDS[expected]} within the signed 64-bit range")
+        elif not _has_type(value, expected):
             problems.append(f"field {name} must be {_TYPE_WORDS[expected]}, got {json_type_name(value)}")
     return problems
 
 
 SourceKind = Literal["log", "span"]
+# The origin of items read from standard input (its path on the command line is "-").
+STDIN_ORIGIN: Final = "<stdin>"
 
 
 @dataclass(slots=True)

@@ -5,6 +5,12 @@ in (deadlines fire late, sessions interleave), so they are sorted before they ar
 written. The report holds a bounded number in memory; past that it writes sorted
 runs to temporary files and merges them while it writes the report, so its memory
 does not grow with the input.
+
+The text report prints ids, kinds and messages taken from the input: control
+characters in them are written escaped (``\\x1b``), so an input cannot drive the
+terminal. Why an input could not be read is said once, on standard error, as it
+happens (it reaches the user even when the report goes to a file or a pipe); the
+text report's last line counts those inputs and the JSON report lists the messages.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import IO, Any, Final, TextIO
 
 import orjson
 
+from processor.records import STDIN_ORIGIN
+from processor.summary import EngineSummary
 from processor.violations import Violation
 
 # Violations held in memory before a sorted run goes to a temporary file.
@@ -27,17 +35,26 @@ _VIOLATIONS_MARK: Final = "\x00violations\x00"
 _NESTED_INDENT: Final = "    "  # the violations list sits two levels deep in the JSON document
 
 SortKey = tuple[int, int, int, str, str]
+# C0 controls, DEL and C1 controls, each written as \xNN.
+_ESCAPES: Final = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped, for a terminal."""
+    return text.translate(_ESCAPES)
 
 
 class Report:
     def __init__(self, inputs: list[str], *, spill_at: int = SPILL_AT) -> None:
-        self.inputs = inputs
-        self.actions = 0
+        # Named as their items' origin says: standard input ("-") is STDIN_ORIGIN.
+        self.inputs = [STDIN_ORIGIN if name == "-" else name for name in inputs]
+        # Actions the readers gave, duplicate deliveries included (see ``actions``).
+        self.actions_read = 0
         self.malformed = 0
         self.unreadable: list[str] = []
-        self.summary: Any = None
+        self.summary: EngineSummary | None = None
         self.violations_by_rule: Counter[str] = Counter()
-        self._position = {name: index for index, name in enumerate(inputs)}
+        self._position = {name: index for index, name in enumerate(self.inputs)}
         self._held: list[Violation] = []
         self._runs: list[IO[bytes]] = []
         self._spill_at = max(1, spill_at)
@@ -46,9 +63,25 @@ class Report:
     def violation_count(self) -> int:
         return self.violations_by_rule.total()
 
+    @property
+    def actions(self) -> int:
+        """Actions evaluated: a record delivered twice counts once (the engine's count, once it has one)."""
+        return self.summary.actions_evaluated if self.summary is not None else self.actions_read
+
+    @property
+    def duplicates(self) -> int:
+        return self.summary.duplicates if self.summary is not None else 0
+
+    @property
+    def exit_code(self) -> int:
+        """2: an input could not be read; 1: violations or malformed items (even with DS000 off); else 0."""
+        if self.unreadable:
+            return 2
+        return 1 if self.violation_count or self.malformed else 0
+
     def tally(self, actions: int, malformed: int) -> None:
         """Count a batch the reader has already counted (replay does not walk its items again)."""
-        self.actions += actions
+        self.actions_read += actions
         self.malformed += malformed
 
     def add(self, violations: Iterable[Violation]) -> None:
@@ -115,29 +148,45 @@ def _violation_from_json(doc: dict[str, Any]) -> Violation:
 
 
 def _where(v: Violation, several_inputs: bool) -> str:
-    if v.line is not None:
-        prefix = f"{v.origin}: " if several_inputs and v.origin else ""
-        return f"{prefix}line {v.line} [{v.action_id or '-'}]"
-    parts = [f"session {v.session_id or '-'}", f"action {v.action_id or '-'}"]
-    if v.trace_id:
-        parts.append(f"trace {v.trace_id} span {v.span_id}")
-    return " ".join(parts)
+    prefix = f"{v.origin}: " if several_inputs and v.origin else ""
+    if not v.span_id:
+        # An action-log record: its line, as the reference checker prints it.
+        if v.line is not None:
+            return f"{prefix}line {v.line} [{v.action_id or '-'}]"
+        return f"{prefix}session {v.session_id or '-'} action {v.action_id or '-'}"
+    # A span (or a record converted from one): the ids that find it in a trace viewer,
+    # after the line of the OTLP JSON-lines file it was read from.
+    line = f"line {v.line}: " if v.line is not None else ""
+    return (
+        f"{prefix}{line}session {v.session_id or '-'} action {v.action_id or '-'} "
+        f"trace {v.trace_id or '-'} span {v.span_id}"
+    )
 
 
 def write_text(report: Report, out: TextIO) -> None:
     several = len(report.inputs) > 1
     for v in report.ordered():
-        out.write(f"{_where(v, several)}: {v.rule} {v.name}: {v.message}\n")
-    for line in _summary_text(report.summary):
-        out.write(line + "\n")
-    for problem in report.unreadable:
-        out.write(f"unreadable: {problem}\n")
+        out.write(printable(f"{_where(v, several)}: {v.rule} {v.name}: {v.message}") + "\n")
+    if report.summary is not None:
+        for line in report.summary.text_lines():
+            out.write(printable(line) + "\n")
+    out.write(verdict_line(report) + "\n")
+
+
+def verdict_line(report: Report) -> str:
+    """The last line: OK, FAIL (violations or malformed items) or ERROR (an input could not be read)."""
     total = report.violation_count
-    rules = ", ".join(f"{rule}×{n}" for rule, n in sorted(report.violations_by_rule.items()))
     if total:
-        out.write(f"FAIL: {total} violation(s) in {report.actions} action(s) [{rules}]\n")
+        rules = ", ".join(f"{rule}×{n}" for rule, n in sorted(report.violations_by_rule.items()))
+        text = f"{total} violation(s) in {report.actions} action(s) [{rules}]"
     else:
-        out.write(f"OK: {report.actions} action(s), no violations\n")
+        text = f"{report.actions} action(s), no violations"
+    if report.malformed:
+        text += f"; {report.malformed} malformed item(s) not checked"
+    if report.unreadable:
+        count = len(report.unreadable)
+        return f"ERROR: {count} input(s) could not be read (see standard error); {text}"
+    return f"{'FAIL' if total or report.malformed else 'OK'}: {text}"
 
 
 def render_text(report: Report) -> str:
@@ -146,23 +195,17 @@ def render_text(report: Report) -> str:
     return buffer.getvalue()
 
 
-def _summary_text(summary: Any) -> list[str]:
-    if summary is None or not hasattr(summary, "text_lines"):
-        return []
-    lines: list[str] = summary.text_lines()
-    return lines
-
-
 def write_json(report: Report, out: TextIO) -> None:
     """One JSON object (two-space indent); the violations are written one at a time into it."""
     doc: dict[str, Any] = {
         "inputs": report.inputs,
         "actions": report.actions,
+        "duplicates": report.duplicates,
         "malformed": report.malformed,
         "violations": [_VIOLATIONS_MARK] if report.violation_count else [],
         "unreadable": report.unreadable,
     }
-    if report.summary is not None and hasattr(report.summary, "to_json"):
+    if report.summary is not None:
         doc.update(report.summary.to_json())
     text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
     mark = f'{_NESTED_INDENT}"{orjson.dumps(_VIOLATIONS_MARK).decode()[1:-1]}"'

@@ -171,7 +171,16 @@ def test_protobuf_json_from_a_real_request_round_trips(tmp_path: Path) -> None:
     assert golden_lines(_read(target)) == golden_lines(_read(READERS / "spans.pb"))
 
 
-def test_truncated_gzip_ends_with_a_malformed_item(tmp_path: Path) -> None:
+def _read_until_broken(path: Path) -> tuple[list[Action | Malformed], InputError]:
+    """The items read before the input broke, and the error that says where."""
+    items: list[Action | Malformed] = []
+    with pytest.raises(InputError) as caught:
+        for item in read_input(str(path)):
+            items.append(item)
+    return items, caught.value
+
+
+def test_truncated_gzip_is_unreadable_after_the_lines_before_the_cut(tmp_path: Path) -> None:
     body = b"".join(
         orjson.dumps({"session_id": "s", "action_id": f"a{i}", "kind": "write", "status": "ok", "pad": "x" * 200})
         + b"\n"
@@ -180,15 +189,14 @@ def test_truncated_gzip_ends_with_a_malformed_item(tmp_path: Path) -> None:
     packed = gzip.compress(body, compresslevel=1)
     target = tmp_path / "cut.jsonl.gz"
     target.write_bytes(packed[: len(packed) // 2])
-    items = _read(target)
-    *actions, last = items
+    actions, error = _read_until_broken(target)
     assert actions and all(isinstance(item, Action) for item in actions)
-    assert isinstance(last, Malformed)
-    assert last.message == f"input truncated after line {len(actions)}"
-    assert last.line == len(actions) + 1
+    assert str(error) == (
+        f"{target}: gzip stream truncated after line {len(actions)}; the input could not be read to its end"
+    )
 
 
-def test_truncated_zstd_ends_with_a_malformed_item(tmp_path: Path) -> None:
+def test_truncated_zstd_is_unreadable_after_the_lines_before_the_cut(tmp_path: Path) -> None:
     body = b"".join(
         orjson.dumps({"session_id": "s", "action_id": f"a{i}", "kind": "write", "status": "ok"}) + b"\n"
         for i in range(5000)
@@ -196,10 +204,40 @@ def test_truncated_zstd_ends_with_a_malformed_item(tmp_path: Path) -> None:
     packed = zstandard.ZstdCompressor().compress(body)
     target = tmp_path / "cut.jsonl.zst"
     target.write_bytes(packed[: len(packed) - 20])
-    items = _read(target)
-    assert isinstance(items[-1], Malformed)
-    assert items[-1].message.startswith("input truncated after line ")
-    assert 0 < len(items) - 1 < 5000
+    items, error = _read_until_broken(target)
+    assert 0 < len(items) < 5000 and all(isinstance(item, Action) for item in items)
+    assert str(error).startswith(f"{target}: zstd stream truncated after line {len(items)};")
+
+
+def test_gzip_header_then_garbage_is_unreadable(tmp_path: Path) -> None:
+    target = tmp_path / "header.jsonl.gz"
+    line = orjson.dumps({"session_id": "s", "action_id": "a", "kind": "write", "status": "ok"}) + b"\n"
+    target.write_bytes(gzip.compress(line * 1000)[:14])  # the header and a few bytes of deflate data
+    items, error = _read_until_broken(target)
+    assert items == []
+    assert "before its first line" in str(error) and str(error).startswith(f"{target}: ")
+
+
+def test_trailing_junk_after_a_gzip_member_is_unreadable(tmp_path: Path) -> None:
+    line = orjson.dumps({"session_id": "s", "action_id": "a", "kind": "write", "status": "ok"}) + b"\n"
+    target = tmp_path / "junk.jsonl.gz"
+    target.write_bytes(gzip.compress(line * 3) + b"not gzip at all")
+    items, error = _read_until_broken(target)
+    assert len(items) == 3
+    assert str(error) == (
+        f"{target}: data after the last gzip member is not gzip after line 3; the input could not be read to its end"
+    )
+
+
+@pytest.mark.parametrize("input_format", ["otlp-json", "otlp-proto", "otlp-proto-stream"])
+def test_a_cut_compressed_span_file_is_unreadable(tmp_path: Path, input_format: str) -> None:
+    sources = {"otlp-json": "spans.otlp.json", "otlp-proto": "spans.pb", "otlp-proto-stream": "spans.pbstream"}
+    source = sources[input_format]
+    packed = gzip.compress((READERS / source).read_bytes() * 2)
+    target = tmp_path / "cut.gz"
+    target.write_bytes(packed[: len(packed) - 12])
+    with pytest.raises(InputError, match=r"gzip stream truncated .*; the input could not be read to its end"):
+        list(read_input(str(target), input_format))
 
 
 def test_gzip_that_is_not_gzip_cannot_be_read(tmp_path: Path) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Any
 
 import orjson
 
 from processor.report import Report, render_json, render_text
+from processor.summary import EngineSummary, SessionSummary
 from processor.violations import Violation
 
 
@@ -40,20 +40,23 @@ def _violations(count: int, seed: int) -> list[Violation]:
     return out
 
 
-class _Summary:
-    def text_lines(self) -> list[str]:
-        return ["sessions: 5"]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"sessions": [{"session_id": "s0", "violations": 3}], "violations_by_rule": {"DS001": 3}}
+def _summary() -> EngineSummary:
+    return EngineSummary(
+        sessions=[SessionSummary("s0", {"payment": 40}, {"DS001": 3}, [])],
+        actions_seen=43,
+        actions_evaluated=40,
+        duplicates=3,
+        malformed=2,
+        violations_by_rule={"DS001": 3},
+    )
 
 
 def _report(violations: list[Violation], spill_at: int) -> Report:
     report = Report(["a.jsonl", "b.jsonl"], spill_at=spill_at)
-    report.tally(actions=40, malformed=2)
+    report.tally(actions=43, malformed=2)
     for start in range(0, len(violations), 7):
         report.add(violations[start : start + 7])
-    report.summary = _Summary()
+    report.summary = _summary()
     return report
 
 
@@ -80,10 +83,11 @@ def test_the_streamed_json_is_the_whole_document_dumped_at_once() -> None:
         document = {
             "inputs": ["a.jsonl", "b.jsonl"],
             "actions": 40,
+            "duplicates": 3,
             "malformed": 2,
             "violations": [v.to_json() for v in ordered],
             "unreadable": [],
-            **_Summary().to_json(),
+            **_summary().to_json(),
         }
         assert render_json(report) == orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
     finally:
@@ -97,9 +101,10 @@ def test_text_report_counts_by_rule_and_ends_with_the_verdict() -> None:
         text = render_text(report).splitlines()
         by_rule = Counter(v.rule for v in violations)
         rules = ", ".join(f"{rule}×{n}" for rule, n in sorted(by_rule.items()))
-        assert text[-1] == f"FAIL: 40 violation(s) in 40 action(s) [{rules}]"
-        assert text[-2] == "sessions: 5"
-        assert len(text) == 42
+        assert text[-1] == f"FAIL: 40 violation(s) in 40 action(s) [{rules}]; 2 malformed item(s) not checked"
+        assert text[-2] == "sessions: 1 session(s), 40 action(s) evaluated, 3 duplicate deliveries skipped, 2 malformed"
+        assert text[-3] == "session s0: 40 action(s) [payment×40], 3 violation(s) [DS001×3]"
+        assert len(text) == 43
     finally:
         report.close()
 

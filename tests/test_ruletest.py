@@ -199,7 +199,9 @@ def test_rules_check_unreadable_exits_2(tmp_path: Path) -> None:
     assert (code, out) == (2, "")
     assert err == f"durable-check: cannot read {tmp_path / 'nope.yaml'}: No such file or directory\n"
     code, _, err = _cli("rules", "check", str(tmp_path))
-    assert code == 2 and "no rule files" in err
+    assert (code, err) == (2, f"durable-check: no rule files (*.yaml, *.yml; tests excluded) in {tmp_path}\n")
+    code, _, err = _cli("rules", "test", str(tmp_path))
+    assert (code, err) == (2, f"durable-check: no rule test files (*.test.yaml) in {tmp_path}\n")
     code, _, err = _cli("rules", "test", str(tmp_path / "missing.test.yaml"))
     assert code == 2 and "cannot read" in err
 
@@ -252,3 +254,29 @@ def test_rule_ids_a_test_names_must_exist(tmp_path: Path) -> None:
         f'{path}:7:14: test "typo": no loaded rule has id DS999',
     ]
     assert not result.passed
+
+
+def test_a_span_record_without_required_fields_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "r.yaml").write_text(
+        "version: 1\nrules:\n  - {id: T1, name: t, severity: info, condition: 'record.kind == \"x\"', message: m}\n",
+        encoding="utf-8",
+    )
+    path = tmp_path / "t.test.yaml"
+    path.write_text(
+        "rule_files: [r.yaml]\n"
+        "tests:\n"
+        "  - name: half-span\n"
+        "    input_format: spans\n"
+        "    only_rules: [T1]\n"
+        "    input:\n"
+        "      - {record: {session_id: s, action_id: a, kind: x, status: ok}}\n"
+        "      - {record: {session_id: s, kind: x}}\n"
+        "    expect: [{rule: T1, action_id: a}]\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(RuleFormatError) as caught:
+        load_test_file(path)
+    assert [str(p) for p in caught.value.problems] == [
+        f'{path}:8:18: test "half-span": input item 2: a span record needs session_id, action_id, kind, status '
+        "(missing: action_id, status)"
+    ]

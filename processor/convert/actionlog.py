@@ -13,7 +13,16 @@ from typing import Any, Final
 import orjson
 
 from processor.convert.timefmt import parse_rfc3339
-from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed, json_type_name, validate_record
+from processor.records import (
+    FIELD_TYPES,
+    INT64_MAX,
+    INT64_MIN,
+    REQUIRED_FIELDS,
+    Action,
+    Malformed,
+    json_type_name,
+    validate_record,
+)
 
 # The Python types orjson gives for each typed field, from the same table validate_record
 # reads: a record passes this check exactly when validate_record finds nothing.
@@ -109,9 +118,12 @@ def parse_lines(
             if well_formed:
                 for name, value in record.items():
                     types = accepted.get(name)
-                    if types is not None and value is not None and type(value) not in types:
-                        well_formed = False
-                        break
+                    if types is not None and value is not None:
+                        kind = type(value)
+                        # An int past 64 bits (orjson gives up to 2**64-1) goes to parse_line's message.
+                        if kind not in types or (kind is int and not INT64_MIN <= value <= INT64_MAX):
+                            well_formed = False
+                            break
             if well_formed:
                 when = record.get("time")
                 append(Action(record, "log", origin, number, parse_rfc3339(when) if type(when) is str else None, seq))

@@ -12,6 +12,7 @@ named here are ever looked at.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, NamedTuple
@@ -22,6 +23,9 @@ AnyValue = Any  # opentelemetry.proto.common.v1.common_pb2.AnyValue (the proto s
 Found = Mapping[str, AnyValue]
 
 ValueType = Literal["str", "int", "number", "bool", "str|int"]
+# Integers are signed 64-bit downstream (stores, OTLP, JSON): [_INT64_MIN, _INT64_END).
+_INT64_MIN: Final = -(2**63)
+_INT64_END: Final = 2**63
 
 TYPE_WORDS: Final[dict[ValueType, str]] = {
     "str": "a string",
@@ -181,10 +185,13 @@ def typed(value: AnyValue, expected: ValueType) -> tuple[bool, Any]:
         return expected == "bool", value.bool_value
     if case == "double_value":
         number = value.double_value
+        if not math.isfinite(number):
+            return False, None  # NaN and infinities are no one's count or timeout
         if expected == "number":
             return True, number
-        # JavaScript SDKs send whole numbers as doubles when they come from arithmetic.
-        if expected in ("int", "str|int") and number.is_integer():
+        # JavaScript SDKs send whole numbers as doubles when they come from arithmetic;
+        # a double past the 64-bit range is no such count.
+        if expected in ("int", "str|int") and number.is_integer() and _INT64_MIN <= number < _INT64_END:
             return True, int(number)
     return False, None
 
@@ -202,7 +209,15 @@ PROBE_FIELDS: Final[dict[ValueType, str]] = {
 
 
 def type_word(value: AnyValue) -> str:
-    return _ONEOF_WORDS.get(value.WhichOneof("value"), "an unknown type")
+    """What the attribute holds, for a message that names types, never values."""
+    case = value.WhichOneof("value")
+    if case == "double_value":
+        number = value.double_value
+        if not math.isfinite(number):
+            return "a non-finite double (NaN or infinity)"
+        if number.is_integer() and not _INT64_MIN <= number < _INT64_END:
+            return "a double beyond the 64-bit integer range"
+    return _ONEOF_WORDS.get(case, "an unknown type")
 
 
 class Verdict(NamedTuple):

@@ -48,7 +48,7 @@ from processor.convert.profiles import (
 )
 from processor.convert.timefmt import format_rfc3339
 from processor.convert.wire import MappedTracesData
-from processor.records import Action, Malformed, Record
+from processor.records import INT64_MAX, Action, Malformed, Record
 
 _STATUS_CODE_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 _ZERO_TRACE_ID: Final = bytes(16)
@@ -444,6 +444,8 @@ class SpanConverter:
             record = {"session_id": session, "action_id": action_id, "kind": kind, "status": default_status}
             if verdict is not None and verdict.result_recorded:
                 record["result"] = None
+        if time_ns > INT64_MAX:
+            time_ns = 0  # OTLP times are unsigned; past the signed 64-bit range the time is unknown
         if time_ns:
             record["time"] = self._format_time(time_ns)
         record["trace_id"] = trace_hex

@@ -13,9 +13,15 @@ from typing import Final
 
 _NS_PER_S: Final = 1_000_000_000
 
+# [0-9], not \d: \d matches any Unicode digit (full-width ones among them).
 _RFC3339: Final = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9})\d*)?(?:([Zz])|([+-])(\d{2}):(\d{2}))"
+    r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt ]([0-9]{2}):([0-9]{2}):([0-9]{2})"
+    r"(?:\.([0-9]{1,9})[0-9]*)?(?:([Zz])|([+-])([0-9]{2}):([0-9]{2}))"
 )
+# Times are signed 64-bit nanoseconds everywhere downstream (state stores, OTLP, JSON
+# readers): a timestamp outside 1677-09-21 .. 2262-04-11 is taken as unknown.
+_MIN_NS: Final = -(2**63)
+_MAX_NS: Final = 2**63 - 1
 
 
 def format_rfc3339(time_ns: int) -> str:
@@ -48,9 +54,14 @@ def parse_rfc3339(text: str) -> int | None:
             if len(_SECOND_CACHE) >= _SECOND_CACHE_LIMIT:
                 _SECOND_CACHE.clear()
             _SECOND_CACHE[head] = start
-        if start is None or len(tail) == 1:
+        if start is None:
+            # Out of range at the second (or not a date): the fraction may still bring the
+            # first second of the range in, so the general parse decides.
+            return _parse(text)
+        if len(tail) == 1:
             return start
-        return start + int(tail[1:-1][:9].ljust(9, "0"))
+        time_ns = start + int(tail[1:-1][:9].ljust(9, "0"))
+        return time_ns if time_ns <= _MAX_NS else None
     return _parse(text)
 
 
@@ -59,7 +70,7 @@ def _parse(text: str) -> int | None:
     if match is None:
         return None
     year, month, day, hour, minute, second = (int(g) for g in match.group(1, 2, 3, 4, 5, 6))
-    if not (1 <= month <= 12 and 1 <= day <= calendar.monthrange(year, month)[1]):
+    if year < 1 or not (1 <= month <= 12 and 1 <= day <= calendar.monthrange(year, month)[1]):
         return None
     # 60 is a leap second; Unix time folds it onto the next second like every parser does.
     if hour > 23 or minute > 59 or second > 60:
@@ -72,4 +83,5 @@ def _parse(text: str) -> int | None:
         offset = offset_h * 3600 + offset_m * 60
         seconds -= offset if match.group(9) == "+" else -offset
     fraction = match.group(7) or ""
-    return seconds * _NS_PER_S + (int(fraction.ljust(9, "0")) if fraction else 0)
+    time_ns = seconds * _NS_PER_S + (int(fraction.ljust(9, "0")) if fraction else 0)
+    return time_ns if _MIN_NS <= time_ns <= _MAX_NS else None

@@ -105,6 +105,11 @@ from processor.violations import Violation, make_violation_id, record_identity
 log = logging.getLogger(__name__)
 
 _NS: Final = 1_000_000_000
+# Event times are signed 64-bit nanoseconds (stores, OTLP, JSON readers); a deadline
+# past either bound below means "never" in practice and must not overflow them.
+_LATEST_NS: Final = 2**63 - 1
+_MAX_WAIT_S: Final = 100 * 31_557_600  # a hundred Julian years
+_MAX_WAIT_NS: Final = _MAX_WAIT_S * _NS
 _NEVER: Final = -(1 << 62)
 # Fields kept when an expression reads ``first`` as a whole: the record's known fields
 # but not its payload.
@@ -219,7 +224,7 @@ class _Plan:
         self.then_fn = None if rule.then is None else rule.then.evaluate
         self.keep_latest = rule.keep == "latest"
         self.report_first = rule.report_on == "first"
-        self.within_ns = None if rule.within_s is None else round(rule.within_s * _NS)
+        self.within_ns = None if rule.within_s is None else _wait_span_ns(rule.within_s)
         self.deadline = rule.deadline
         self.within_actions = rule.within_actions
         self.field = rule.field
@@ -301,6 +306,15 @@ class _Buffered(NamedTuple):
     arrival: int
     action: Action
     received_ns: int
+
+
+def _wait_span_ns(seconds: float) -> int:
+    """A wait's length in nanoseconds: negative is none, anything past a hundred years (infinity too) is capped."""
+    if seconds <= 0:
+        return 0
+    if seconds >= _MAX_WAIT_S:
+        return _MAX_WAIT_NS
+    return round(seconds * _NS)
 
 
 def _buffered(action: Action, arrival: int, received_ns: int) -> _Buffered:
@@ -1199,9 +1213,9 @@ class Engine:
                     self._rule_error(plan, "deadline")
                     seconds = None
                 if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and not math.isnan(seconds):
-                    spans.append(max(0, round(min(float(seconds), 1e11) * _NS)))
+                    spans.append(_wait_span_ns(seconds))
             if spans:
-                deadline_ns = started + min(spans)
+                deadline_ns = min(started + min(spans), _LATEST_NS)
         workflow_state = _str_field(action.record, "workflow_state")
         wait = Wait(
             self._kept(plan, action.record),
@@ -1216,7 +1230,7 @@ class Engine:
         self._open_waits[wait] = None
         if deadline_ns is not None:
             if self._serve:
-                wait.fire_at = max(deadline_ns, wait.received_ns) + self._lateness_ns
+                wait.fire_at = min(max(deadline_ns, wait.received_ns) + self._lateness_ns, _LATEST_NS)
             else:
                 wait.fire_at = deadline_ns
             self._store.put_timer(TimerEntry(wait.fire_at, session.session_id, plan.id, key))

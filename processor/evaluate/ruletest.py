@@ -58,7 +58,7 @@ from processor.evaluate.rulefmt import (
     _tag_word,
     load_rules,
 )
-from processor.records import Action, Malformed, validate_record
+from processor.records import REQUIRED_FIELDS, Action, Malformed, validate_record
 from processor.summary import OpenWait
 from processor.violations import SEVERITIES, Violation
 
@@ -350,6 +350,17 @@ def _span_items(ctx: _Context, node: SequenceNode, origin: str, start_ns: int) -
             event_index = ctx.integer(entries["event_index"][1], "event_index", minimum=0, maximum=1_000_000) or 0
         if "synthetic_action_id" in entries:
             synthetic = bool(ctx.boolean(entries["synthetic_action_id"][1], "synthetic_action_id"))
+        missing = [name for name in REQUIRED_FIELDS if record.get(name) in (None, "")]
+        if missing:
+            # The span converter always fills these in (or says the span has no kind): a
+            # span record without them models no span at all.
+            ctx.error(
+                entries["record"][1],
+                f"input item {index + 1}: a span record needs {', '.join(REQUIRED_FIELDS)} "
+                f"(missing: {', '.join(missing)})",
+            )
+            ok = False
+            continue
         problems = validate_record(record)
         if problems:
             items.append(

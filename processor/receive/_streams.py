@@ -1,9 +1,11 @@
 """Byte streams for the offline readers: chunked reading, gzip/zstd, lines, frames.
 
 Everything here is a generator over bounded chunks, so memory stays flat however
-large the input is. A compressed stream that ends early or turns corrupt raises
-:class:`StreamEnded` at the point where it happened; the readers turn that into a
-Malformed item after the last good line rather than a traceback.
+large the input is. A read that fails or a compressed stream that ends early or
+turns corrupt raises :class:`StreamEnded` at the point where it happened: the input
+cannot be read past it, and the readers say so after the items read before it.
+A length-prefixed stream whose last message is cut short raises :class:`MessageCut`:
+the bytes were all read, the last message is incomplete (one malformed item).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ class StreamEnded(Exception):
         self.truncated = truncated
 
 
+class MessageCut(StreamEnded):
+    """A length-prefixed stream ends inside a length or a message: its last message is incomplete."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, truncated=True)
+
+
 def raw_chunks(handle: BinaryIO) -> Iterator[bytes]:
     while True:
         try:
@@ -46,6 +55,7 @@ def gunzip(chunks: Iterator[bytes]) -> Iterator[bytes]:
     """Every gzip member in turn (``cat a.gz b.gz`` is a valid gzip stream)."""
     decoder = zlib.decompressobj(wbits=31)
     pending_member = False
+    members = 0  # members read to their end
     for chunk in chunks:
         data = chunk
         pending_member = pending_member or bool(data)
@@ -54,10 +64,12 @@ def gunzip(chunks: Iterator[bytes]) -> Iterator[bytes]:
                 # Bounded output: a small compressed chunk may expand enormously.
                 out = decoder.decompress(data, CHUNK_SIZE)
             except zlib.error:
-                raise StreamEnded("not valid gzip data", truncated=False) from None
+                reason = "data after the last gzip member is not gzip" if members else "not valid gzip data"
+                raise StreamEnded(reason, truncated=False) from None
             if out:
                 yield out
             if decoder.eof:
+                members += 1
                 data = decoder.unused_data
                 decoder = zlib.decompressobj(wbits=31)
                 pending_member = bool(data)
@@ -252,7 +264,7 @@ class Frame:
 def frames(chunks: Iterator[bytes], max_message: int) -> Iterator[Frame]:
     """Messages each preceded by a 4-byte big-endian length (the Collector file exporter).
 
-    Raises StreamEnded(truncated=True) when the input ends inside a length or a message.
+    Raises MessageCut when the input ends inside a length or a message.
     """
     buffer = bytearray()
     index = 0
@@ -284,9 +296,7 @@ def frames(chunks: Iterator[bytes], max_message: int) -> Iterator[Frame]:
             del buffer[:need]
             need = None
     if skip or need is not None or buffer:
-        raise StreamEnded(
-            f"input truncated in message {index + (0 if need is not None or skip else 1)}", truncated=True
-        )
+        raise MessageCut(f"input truncated in message {index + (0 if need is not None or skip else 1)}")
 
 
 def read_bounded(chunks: Iterator[bytes], limit: int) -> bytes | TooLong:

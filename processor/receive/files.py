@@ -12,7 +12,10 @@ Formats, detected from the first bytes unless named:
 
 Any of them may be gzip- or zstd-compressed (detected by magic bytes). Reading is
 streaming: a bad line or message becomes a Malformed item naming its place and
-reading goes on; only an input that cannot be read at all raises InputError.
+reading goes on. An input that cannot be read raises InputError: at once when it
+cannot be opened or recognised, or after the items read so far when a read fails or
+a compressed stream is cut short or corrupt part-way (what came before the break is
+checked; the input still counts as unreadable).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from processor.errors import InputError
 from processor.receive._streams import (
     GZIP_MAGIC,
     ZSTD_MAGIC,
+    MessageCut,
     StreamEnded,
     TooLong,
     frames,
@@ -43,7 +47,7 @@ from processor.receive._streams import (
     read_bounded,
     unzstd,
 )
-from processor.records import Action, Malformed
+from processor.records import STDIN_ORIGIN, Action, Malformed
 
 FORMATS: Final = ("actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream")
 DEFAULT_MAX_LINE_BYTES: Final = 16 << 20
@@ -122,7 +126,7 @@ def read_batches(
     """
     if input_format is not None and input_format not in FORMATS:
         raise InputError(f"unknown input format {input_format!r}; use one of {', '.join(FORMATS)}")
-    origin = "<stdin>" if path == STDIN else path
+    origin = STDIN_ORIGIN if path == STDIN else path
     handle = _open(path, origin)
     try:
         try:
@@ -258,12 +262,13 @@ def _in_batches(items: Iterator[Item]) -> Iterator[Batch]:
         yield Batch(batch, actions)
 
 
-def _ended(exc: StreamEnded, origin: str, last_line: int) -> Malformed:
-    if exc.truncated:
-        message = f"input truncated after line {last_line}"
-    else:
-        message = f"input unreadable after line {last_line}: {exc.reason}"
-    return Malformed(message, origin=origin, line=last_line + 1)
+def _broken(exc: StreamEnded, origin: str, where: str) -> InputError:
+    """The input stopped being readable part-way; ``where`` names the last good place."""
+    return InputError(f"{origin}: {exc.reason} {where}; the input could not be read to its end")
+
+
+def _after_line(last_line: int) -> str:
+    return f"after line {last_line}" if last_line else "before its first line"
 
 
 def _too_long(what: str, size: TooLong, limit: int) -> str:
@@ -292,7 +297,7 @@ def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterat
                 if items:
                     yield Batch(items, seq - before)
     except StreamEnded as exc:
-        yield Batch([_ended(exc, origin, last)], 0)
+        raise _broken(exc, origin, _after_line(last)) from None
 
 
 def _converted(converter: SpanConverter, traces: Any, origin: str, seq: int, line: int | None) -> Iterator[Item]:
@@ -345,15 +350,14 @@ def _read_json_lines(chunks: Iterator[bytes], origin: str, converter: SpanConver
                 seq += isinstance(item, Action)
                 yield item
     except StreamEnded as exc:
-        yield _ended(exc, origin, last)
+        raise _broken(exc, origin, _after_line(last)) from None
 
 
 def _read_whole(chunks: Iterator[bytes], origin: str, max_message: int, what: str) -> bytes | Malformed:
     try:
         data = read_bounded(chunks, max_message)
     except StreamEnded as exc:
-        reason = "input truncated" if exc.truncated else f"input unreadable: {exc.reason}"
-        return Malformed(f"{reason}; the {what} cannot be read", origin=origin, source="span")
+        raise _broken(exc, origin, f"inside the {what}") from None
     if isinstance(data, TooLong):
         return Malformed(_too_long(f"the {what}", data, max_message), origin=origin, source="span")
     return data
@@ -417,8 +421,10 @@ def _read_proto_stream(
     chunks: Iterator[bytes], origin: str, converter: SpanConverter, max_message: int
 ) -> Iterator[Batch]:
     seq = 0
+    done = 0  # messages read whole
     try:
         for frame in frames(chunks, max_message):
+            done = frame.index
             if isinstance(frame.data, TooLong):
                 too_long = Malformed(
                     f"message {frame.index} is longer than {max_message} bytes ({frame.data.size_at_least}); skipped",
@@ -436,11 +442,10 @@ def _read_proto_stream(
             seq += len(result.actions)
             if result.items:
                 yield Batch(result.items, len(result.actions))
+    except MessageCut as exc:
+        yield Batch([Malformed(exc.reason, origin=origin, source="span")], 0)
     except StreamEnded as exc:
-        ended = Malformed(
-            exc.reason if exc.truncated else f"input unreadable: {exc.reason}", origin=origin, source="span"
-        )
-        yield Batch([ended], 0)
+        raise _broken(exc, origin, f"after message {done}" if done else "before its first message") from None
 
 
 __all__ = [

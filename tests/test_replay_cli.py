@@ -1,0 +1,155 @@
+"""``durable-check replay`` end to end: exit codes, the verdict line, what the text report prints."""
+
+from __future__ import annotations
+
+import gzip
+import io
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from processor import cli
+
+FIXTURES = Path(__file__).parent / "testdata" / "skill-fixtures"
+SPANS_JSONL = Path(__file__).parent / "testdata" / "readers" / "spans.otlp.jsonl"
+
+EXPECTED_BAD = [
+    (4, "DS001"), (5, "DS001"), (6, "DS002"), (7, "DS003"), (8, "DS004"),
+    (9, "DS005"), (10, "DS006"), (10, "DS007"), (12, "DS009"), (13, "DS000"),
+]  # fmt: skip
+
+
+def _replay(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["replay", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _record(action_id: str, **fields: Any) -> bytes:
+    base = {"session_id": "s", "action_id": action_id, "kind": "tool_call", "status": "ok", "result": None}
+    return orjson.dumps({**base, **fields}) + b"\n"
+
+
+def _verdicts(report: dict[str, Any]) -> list[tuple[int, str]]:
+    return [(v["line"], v["rule"]) for v in report["violations"]]
+
+
+def test_skill_fixture_verdicts_are_kept(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _replay(capsys, "--format", "json", str(FIXTURES / "actions.bad.jsonl"))
+    assert code == 1 and _verdicts(orjson.loads(out)) == EXPECTED_BAD
+    code, out, _ = _replay(capsys, "--format", "json", "--strict", str(FIXTURES / "actions.bad.jsonl"))
+    assert code == 1 and _verdicts(orjson.loads(out)) == sorted([*EXPECTED_BAD, (11, "DS008")])
+    code, out, _ = _replay(capsys, str(FIXTURES / "actions.good.jsonl"))
+    assert code == 0 and out.splitlines()[-1] == "OK: 10 action(s), no violations"
+
+
+def test_a_cut_gzip_log_is_unreadable_after_the_violations_before_the_cut(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = _record("unkeyed", kind="payment") + b"".join(_record(f"a{i}", pad="x" * 300) for i in range(3000))
+    packed = gzip.compress(body, compresslevel=1)
+    target = tmp_path / "cut.jsonl.gz"
+    target.write_bytes(packed[: len(packed) // 2])
+    code, out, err = _replay(capsys, str(target))
+    assert code == 2
+    assert out.splitlines()[0].startswith("line 1 [unkeyed]: DS002 ")
+    assert out.splitlines()[-1].startswith("ERROR: 1 input(s) could not be read (see standard error); 1 violation(s)")
+    assert f"{target}: gzip stream truncated after line " in err
+    code, out, _ = _replay(capsys, "--format", "json", str(target))
+    report = orjson.loads(out)
+    assert code == 2 and [v["rule"] for v in report["violations"]] == ["DS002"]
+    assert len(report["unreadable"]) == 1 and "gzip stream truncated after line" in report["unreadable"][0]
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "binary"])
+def test_an_unreadable_input_is_an_error_said_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    target = tmp_path / "input"
+    if kind == "directory":
+        target.mkdir()
+    elif kind == "binary":
+        target.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    code, out, err = _replay(capsys, str(target))
+    assert code == 2
+    assert out.splitlines() == [
+        "sessions: 0 session(s), 0 action(s) evaluated",
+        "ERROR: 1 input(s) could not be read (see standard error); 0 action(s), no violations",
+    ]
+    assert err.count(str(target)) == 1 and "OK" not in out
+
+
+def test_malformed_lines_fail_even_without_ds000(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(_record("a1") + b"{not json\n" + _record("a2"))
+    off = tmp_path / "off.yaml"
+    off.write_text("version: 1\noverrides:\n  - id: DS000\n    enabled: false\n", encoding="utf-8")
+    for extra in (["--no-shipped-rules"], ["--rules", str(off)]):
+        code, out, _ = _replay(capsys, *extra, str(log))
+        assert code == 1
+        assert out.splitlines()[-1] == "FAIL: 2 action(s), no violations; 1 malformed item(s) not checked"
+    code, out, _ = _replay(capsys, str(log))
+    assert code == 1 and out.splitlines()[-1].startswith("FAIL: 1 violation(s) in 2 action(s) [DS000×1]")
+
+
+def test_span_violations_name_session_action_trace_and_span(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _replay(capsys, str(SPANS_JSONL))
+    assert code == 1
+    ds001 = next(line for line in out.splitlines() if " DS001 " in line)
+    assert ds001.startswith(
+        "line 2: session conv-9 action span-a1b2c3d40000000f "
+        "trace 0af7651916cd43dd8448eb211c80319c span a1b2c3d40000000f: DS001 unrecorded-result: "
+    )
+
+
+def test_control_characters_from_the_input_are_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(
+        _record("\x1b]0;owned\x07", kind="payment", session_id="s\x1b[2J")
+        + _record("a2", kind="odd\x9bkind", session_id="s\x1b[2J")
+    )
+    code, out, _ = _replay(capsys, str(log))
+    assert code == 1
+    assert not any(ch in out for ch in "\x1b\x07\x9b")
+    assert "line 1 [\\x1b]0;owned\\x07]: DS002 unkeyed-side-effect: payment \\x1b]0;owned\\x07 succeeded" in out
+    assert "session s\\x1b[2J: 2 action(s) [odd\\x9bkind×1, payment×1]" in out
+
+
+def test_duplicate_deliveries_count_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = SPANS_JSONL.read_bytes().splitlines()[0]
+    single = tmp_path / "once.jsonl"
+    single.write_bytes(first + b"\n")
+    twice = tmp_path / "twice.jsonl"
+    twice.write_bytes(first + b"\n" + first + b"\n")
+    _, once, _ = _replay(capsys, "--format", "json", str(single))
+    code, out, _ = _replay(capsys, "--format", "json", str(twice))
+    report = orjson.loads(out)
+    assert code == 1 and report["duplicates"] > 0
+    # The second copy adds nothing: the same actions are evaluated as from one copy.
+    assert report["actions"] == orjson.loads(once)["actions"]
+    assert report["actions"] == report["actions_evaluated"] == report["actions_seen"] - report["duplicates"]
+    _, text, _ = _replay(capsys, str(twice))
+    assert f"in {report['actions']} action(s)" in text.splitlines()[-1]
+    assert f"{report['duplicates']} duplicate deliveries skipped" in text
+
+
+def test_stdin_is_named_alike_in_inputs_and_violations(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    other = tmp_path / "a.jsonl"
+    other.write_bytes(_record("from-file", kind="payment"))
+
+    class _Stdin:
+        buffer = io.BytesIO(_record("from-stdin", kind="payment"))
+
+    monkeypatch.setattr("sys.stdin", _Stdin())
+    code, out, _ = _replay(capsys, "--format", "json", "-", str(other))
+    report = orjson.loads(out)
+    assert code == 1 and report["inputs"] == ["<stdin>", str(other)]
+    # Ordered by input: standard input was named first.
+    assert [(v["origin"], v["action_id"]) for v in report["violations"]] == [
+        ("<stdin>", "from-stdin"),
+        (str(other), "from-file"),
+    ]

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from exporters.base import FailureLog, SendResult, describe_error, init_exporter_metrics, parse_retry_after
+from exporters.base import FailureLog, SendResult, describe_error, http_result, init_exporter_metrics, tell_listeners
 from exporters.config import AlertmanagerConfig
 from processor._version import __version__
 from processor.records import Action
@@ -46,7 +46,6 @@ log = logging.getLogger("durable_check.exporters")
 
 ALERT_NAME = "DurableCheckViolation"
 _CHUNK = 500
-_RETRYABLE_STATUS = frozenset({408, 429})
 
 
 def format_time(unix_s: float) -> str:
@@ -214,11 +213,7 @@ class AlertmanagerExporter:
         self._listeners.append(listener)
 
     def _tell_delivered(self, violation_ids: list[str]) -> None:
-        for listener in self._listeners:
-            try:
-                listener(violation_ids)
-            except Exception:  # a listener's failure must not stop alerting
-                log.exception("exporter alertmanager: a delivery listener failed")
+        tell_listeners(self._listeners, violation_ids, self.name)
 
     def active_ids(self) -> list[str]:
         with self._cond:
@@ -287,13 +282,7 @@ class AlertmanagerExporter:
             response = self._http.post(self._url, json=payload)
         except httpx.HTTPError as exc:
             return SendResult.retry(describe_error(exc))
-        status = response.status_code
-        if 200 <= status < 300:
-            return SendResult.success()
-        reason = f"HTTP {status}"
-        if status >= 500 or status in _RETRYABLE_STATUS:
-            return SendResult.retry(reason, parse_retry_after(response.headers.get("Retry-After")))
-        return SendResult.permanent(reason)
+        return http_result(response)
 
     def _deliver(self, chunk: list[tuple[str, _Alert]]) -> bool:
         """Send one chunk with retries; False when shutdown gave up on the worker."""

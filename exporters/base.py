@@ -24,10 +24,13 @@ import logging
 import random
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+import httpx
 
 from processor.convert.timefmt import format_rfc3339
 from processor.records import Action
@@ -144,6 +147,15 @@ def init_exporter_metrics(telemetry: Telemetry, exporter: str) -> None:
     telemetry.exporter_failures.labels(exporter)
     telemetry.exporter_dropped.labels(exporter)
     telemetry.exporter_queue_depth.labels(exporter).set(0)
+
+
+def tell_listeners(listeners: Iterable[Callable[[list[str]], None]], keys: list[str], exporter: str) -> None:
+    """Tell every delivery listener ``keys``; one that fails is logged and the rest are still told."""
+    for listener in listeners:
+        try:
+            listener(keys)
+        except Exception:  # a listener's failure must not stop the exporter
+            log.exception("exporter %s: a delivery listener failed", exporter)
 
 
 class RetryQueue(Generic[T]):
@@ -334,11 +346,7 @@ class RetryQueue(Generic[T]):
         self._delivery_listeners.append(listener)
 
     def _tell_delivered(self, keys: list[str]) -> None:
-        for listener in self._delivery_listeners:
-            try:
-                listener(keys)
-            except Exception:  # a listener's failure must not stop deliveries
-                log.exception("exporter %s: a delivery listener failed", self.exporter)
+        tell_listeners(self._delivery_listeners, keys, self.exporter)
 
     def _remember(self, keys: list[str]) -> None:
         if self._remember_sent <= 0:
@@ -349,6 +357,48 @@ class RetryQueue(Generic[T]):
                 self._sent.move_to_end(k)
             while len(self._sent) > self._remember_sent:
                 self._sent.popitem(last=False)
+
+
+class QueuedViolationExporter(ABC):
+    """A network exporter whose violations go out through a RetryQueue, keyed by violation id.
+
+    A subclass sets ``name``, sends a batch in ``_send`` and closes its connection in
+    ``_close``. It calls ``_start_queue`` last in its ``__init__``: the queue's worker
+    may call ``_send`` at once.
+    """
+
+    name: str
+    wants_actions = False
+    _queue: RetryQueue[Violation]
+
+    def _start_queue(self, telemetry: Telemetry, *, max_queue: int, batch_size: int, policy: RetryPolicy) -> None:
+        self._queue = RetryQueue(
+            self.name, telemetry, self._send, lambda v: v.violation_id,
+            max_queue=max_queue, batch_size=batch_size, policy=policy, remember_sent=max_queue * 4,
+        )
+
+    @abstractmethod
+    def _send(self, violations: list[Violation]) -> SendResult:
+        """Deliver one batch; the queue retries it as the result says."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release the connection, once the queue has stopped."""
+
+    @property
+    def queue(self) -> RetryQueue[Violation]:
+        return self._queue
+
+    def export(self, violations: Sequence[Violation]) -> None:
+        self._queue.put(violations)
+
+    def add_delivery_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
+        """``listener(violation_ids)`` once the endpoint accepted them (serve's outbox waits for it)."""
+        self._queue.add_delivery_listener(listener)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._queue.shutdown(timeout_s)
+        self._close()
 
 
 def json_default(value: Any) -> Any:
@@ -381,3 +431,19 @@ def parse_retry_after(value: str | None) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - time.time())
+
+
+# Client errors worth a retry: the request timed out, or the server asked us to slow down.
+_RETRYABLE_4XX = frozenset({408, 429})
+
+
+def http_result(response: httpx.Response) -> SendResult:
+    """What an HTTP answer to a delivery means: 2xx delivered; 5xx, 408 and 429 retried
+    (after the server's Retry-After, if it gave one); any other status refused for good."""
+    status = response.status_code
+    if 200 <= status < 300:
+        return SendResult.success()
+    reason = f"HTTP {status}"
+    if status >= 500 or status in _RETRYABLE_4XX:
+        return SendResult.retry(reason, parse_retry_after(response.headers.get("Retry-After")))
+    return SendResult.permanent(reason)

@@ -26,7 +26,15 @@ from typing import Any, Literal
 
 import orjson
 
-from exporters.base import RetryPolicy, RetryQueue, SendResult, describe_error, json_default, violation_document
+from exporters.base import (
+    RetryPolicy,
+    RetryQueue,
+    SendResult,
+    describe_error,
+    json_default,
+    tell_listeners,
+    violation_document,
+)
 from exporters.config import JsonlConfig
 from processor.errors import ConfigError, Problem
 from processor.records import Action
@@ -257,11 +265,7 @@ class JsonlExporter:
         self._queue.add_delivery_listener(listener)
 
     def _tell_written(self, violation_ids: list[str]) -> None:
-        for listener in self._listeners:
-            try:
-                listener(violation_ids)
-            except Exception:  # a listener's failure must not stop writing
-                log.exception("exporter jsonl: a delivery listener failed")
+        tell_listeners(self._listeners, violation_ids, self.name)
 
     @property
     def queue(self) -> RetryQueue[Violation]:

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
-from exporters.base import RetryQueue, SendResult
+from exporters.base import QueuedViolationExporter, SendResult
 from exporters.config import OtlpConfig
 from exporters.otlp_transport import OtlpTransport
 from exporters.resource import resource_attributes
@@ -111,9 +111,8 @@ def build_request(
     )
 
 
-class OtlpSpanExporter:
+class OtlpSpanExporter(QueuedViolationExporter):
     name = "otlp"
-    wants_actions = False
 
     def __init__(self, cfg: OtlpConfig, telemetry: Telemetry) -> None:
         self._resource = resource_attributes()
@@ -122,32 +121,16 @@ class OtlpSpanExporter:
             endpoint=cfg.endpoint, protocol=cfg.protocol, insecure=cfg.insecure,
             headers=cfg.headers, timeout_s=float(cfg.timeout), signal="traces",
         )
-        self._queue: RetryQueue[Violation] = RetryQueue(
-            self.name, telemetry, self._send, lambda v: v.violation_id,
-            max_queue=cfg.max_queue, batch_size=cfg.batch_size, policy=cfg.retry_policy(),
-            remember_sent=cfg.max_queue * 4,
-        )
+        self._start_queue(telemetry, max_queue=cfg.max_queue, batch_size=cfg.batch_size, policy=cfg.retry_policy())
 
     def _send(self, violations: list[Violation]) -> SendResult:
         return self._transport.send(build_request(violations, resource=self._resource))
 
-    @property
-    def queue(self) -> RetryQueue[Violation]:
-        return self._queue
-
-    def export(self, violations: Sequence[Violation]) -> None:
-        self._queue.put(violations)
-
-    def add_delivery_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
-        """``listener(violation_ids)`` once the endpoint accepted them (serve's outbox waits for it)."""
-        self._queue.add_delivery_listener(listener)
+    def _close(self) -> None:
+        self._transport.close()
 
     def resolve(self, violation_ids: Sequence[str]) -> None:
         """A span records that a violation happened; its clearing is not a span."""
 
     def export_actions(self, actions: Sequence[Action]) -> None:
         """Actions are already spans where they came from spans."""
-
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        self._queue.shutdown(timeout_s)
-        self._transport.close()

@@ -10,7 +10,7 @@ RESOURCE_EXHAUSTED, ABORTED, CANCELLED, OUT_OF_RANGE, DATA_LOSS; HTTP 429, 502, 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 from urllib.parse import urlsplit
 
 import grpc
@@ -26,7 +26,8 @@ log = logging.getLogger("durable_check.exporters")
 
 Signal = Literal["traces", "metrics"]
 
-_RETRYABLE_GRPC = frozenset({
+# What the OTLP specification says a sender retries; anything else is refused for good.
+RETRYABLE_GRPC_CODES: Final = frozenset({
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -35,7 +36,7 @@ _RETRYABLE_GRPC = frozenset({
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DATA_LOSS,
 })
-_RETRYABLE_HTTP = frozenset({429, 502, 503, 504})
+RETRYABLE_HTTP_STATUSES: Final = frozenset({429, 502, 503, 504})
 
 
 class _Message(Protocol):
@@ -118,7 +119,7 @@ class OtlpTransport:
             code_of = getattr(exc, "code", None)
             code: grpc.StatusCode = code_of() if callable(code_of) else grpc.StatusCode.UNKNOWN
             reason = f"gRPC {code.name}"
-            if code in _RETRYABLE_GRPC:
+            if code in RETRYABLE_GRPC_CODES:
                 return SendResult.retry(reason)
             return SendResult.permanent(reason)
         self._check_partial_success(response)
@@ -144,7 +145,7 @@ class OtlpTransport:
                 self._check_partial_success(parsed)
             return SendResult.success()
         reason = f"HTTP {status}"
-        if status in _RETRYABLE_HTTP:
+        if status in RETRYABLE_HTTP_STATUSES:
             return SendResult.retry(reason, parse_retry_after(response.headers.get("Retry-After")))
         return SendResult.permanent(reason)
 

@@ -15,17 +15,17 @@ the batch is dropped and counted.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import httpx
 import orjson
 
 from exporters.base import (
-    RetryQueue,
+    QueuedViolationExporter,
     SendResult,
     describe_error,
+    http_result,
     json_default,
-    parse_retry_after,
     violation_document,
 )
 from exporters.config import WebhookConfig
@@ -33,8 +33,6 @@ from processor._version import __version__
 from processor.records import Action
 from processor.telemetry import Telemetry
 from processor.violations import Violation
-
-_RETRYABLE_4XX = frozenset({408, 429})
 
 
 def idempotency_key(violations: Sequence[Violation]) -> str:
@@ -44,9 +42,8 @@ def idempotency_key(violations: Sequence[Violation]) -> str:
     return digest.hexdigest()[:32]
 
 
-class WebhookExporter:
+class WebhookExporter(QueuedViolationExporter):
     name = "webhook"
-    wants_actions = False
 
     def __init__(self, cfg: WebhookConfig, telemetry: Telemetry) -> None:
         self._url = cfg.url
@@ -55,15 +52,7 @@ class WebhookExporter:
             "User-Agent": f"durable-check/{__version__}",
             **cfg.headers,
         })
-        self._queue: RetryQueue[Violation] = RetryQueue(
-            self.name, telemetry, self._send, lambda v: v.violation_id,
-            max_queue=cfg.max_queue, batch_size=cfg.batch_size, policy=cfg.retry_policy(),
-            remember_sent=cfg.max_queue * 4,
-        )
-
-    @property
-    def queue(self) -> RetryQueue[Violation]:
-        return self._queue
+        self._start_queue(telemetry, max_queue=cfg.max_queue, batch_size=cfg.batch_size, policy=cfg.retry_policy())
 
     def _send(self, violations: list[Violation]) -> SendResult:
         body = orjson.dumps({"violations": [violation_document(v) for v in violations]}, default=json_default)
@@ -72,27 +61,13 @@ class WebhookExporter:
                                        headers={"Idempotency-Key": idempotency_key(violations)})
         except httpx.HTTPError as exc:
             return SendResult.retry(describe_error(exc))
-        status = response.status_code
-        if 200 <= status < 300:
-            return SendResult.success()
-        reason = f"HTTP {status}"
-        if status >= 500 or status in _RETRYABLE_4XX:
-            return SendResult.retry(reason, parse_retry_after(response.headers.get("Retry-After")))
-        return SendResult.permanent(reason)
+        return http_result(response)
 
-    def export(self, violations: Sequence[Violation]) -> None:
-        self._queue.put(violations)
-
-    def add_delivery_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
-        """``listener(violation_ids)`` once the endpoint accepted them (serve's outbox waits for it)."""
-        self._queue.add_delivery_listener(listener)
+    def _close(self) -> None:
+        self._http.close()
 
     def resolve(self, violation_ids: Sequence[str]) -> None:
         """A webhook reports what was found; a cleared condition sends nothing."""
 
     def export_actions(self, actions: Sequence[Action]) -> None:
         """Only violations go to the webhook."""
-
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        self._queue.shutdown(timeout_s)
-        self._http.close()

@@ -37,6 +37,8 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h|d|w)")
 _DURATION_UNITS = {
     "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0,
 }
+# Units of a duration, largest first: a duration names them in this order, each once.
+_DURATION_ORDER = ("w", "d", "h", "m", "s", "ms", "us", "µs", "ns")
 _SIZE = re.compile(r"(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?", re.IGNORECASE)
 _SIZE_UNITS = {
     "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2, "gb": 1000**3, "gib": 1024**3,
@@ -49,20 +51,40 @@ MAX_CONFIG_BYTES = 1024 * 1024
 _ENV_REF = re.compile(r"\$\$|\$\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
+class DurationError(ValueError):
+    """A text that is not a duration. ``reason`` lets a caller word it in its own format's terms."""
+
+    def __init__(self, message: str, reason: Literal["empty", "order", "syntax"]) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def parse_duration(text: str) -> float:
-    """Seconds in a duration such as ``90s``, ``1h30m`` or ``7d``; ValueError if it is not one."""
+    """Seconds in a duration such as ``90s``, ``1h30m`` or ``7d``; DurationError if it is not one.
+
+    Units go largest first, each at most once. No bounds: each caller sets its own.
+    """
     text = text.strip()
     if not text:
-        raise ValueError("empty duration")
+        raise DurationError("empty duration", "empty")
     pos = 0
     total = 0.0
+    last_rank = -1
     for match in _DURATION_PART.finditer(text):
         if match.start() != pos:
             break
+        rank = _DURATION_ORDER.index(match.group(2))
+        if rank <= last_rank:
+            raise DurationError(
+                f"not a duration: {text!r} (units go from largest to smallest, each once; e.g. 1h30m)", "order"
+            )
+        last_rank = rank
         total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
         pos = match.end()
     if pos != len(text):
-        raise ValueError(f"not a duration: {text!r} (use a number and a unit: ms, s, m, h, d, w; e.g. 90s, 1h30m)")
+        raise DurationError(
+            f"not a duration: {text!r} (use a number and a unit: ms, s, m, h, d, w; e.g. 90s, 1h30m)", "syntax"
+        )
     return total
 
 

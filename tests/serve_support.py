@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import yaml
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
 
@@ -25,6 +29,7 @@ from processor.evaluate.rulefmt import load_rules
 from processor.pipeline import Pipeline
 from processor.serve import Server, ServerThread, build_pipeline, build_store
 from processor.telemetry import Telemetry
+from tests._spans import add_attributes
 
 Key = tuple[str, str, str]
 
@@ -39,8 +44,8 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def serve_config(tmp_path: Path, extra: Mapping[str, Any] | None = None) -> Config:
-    """Both receivers on free loopback ports, violations to ``tmp_path/violations.jsonl``."""
+def _serve_document(tmp_path: Path, extra: Mapping[str, Any] | None) -> str:
+    """Both receivers on free loopback ports, violations to ``tmp_path/violations.jsonl``, and ``extra`` over that."""
     base: dict[str, Any] = {
         "receivers": {"otlp": {"grpc": {"endpoint": "127.0.0.1:0"}, "http": {"endpoint": "127.0.0.1:0"}}},
         "evaluate": {"tick_interval": "50ms"},
@@ -50,19 +55,18 @@ def serve_config(tmp_path: Path, extra: Mapping[str, Any] | None = None) -> Conf
         # default (sqlite) has its own tests (test_state_*.py, test_crash_recovery.py).
         "state": {"backend": "memory", "path": str(tmp_path / "state.db")},
     }
-    return parse_config(yaml.safe_dump(_merge(base, extra or {})), "test configuration")
+    return yaml.safe_dump(_merge(base, extra or {}))
+
+
+def serve_config(tmp_path: Path, extra: Mapping[str, Any] | None = None) -> Config:
+    """The serve tests' configuration (see ``_serve_document``)."""
+    return parse_config(_serve_document(tmp_path, extra), "test configuration")
 
 
 def config_file(tmp_path: Path, extra: Mapping[str, Any] | None = None) -> Path:
     """The same as ``serve_config``, written to a file for a serve subprocess."""
-    base: dict[str, Any] = {
-        "receivers": {"otlp": {"grpc": {"endpoint": "127.0.0.1:0"}, "http": {"endpoint": "127.0.0.1:0"}}},
-        "evaluate": {"tick_interval": "50ms"},
-        "exporters": {"jsonl": {"path": str(tmp_path / "violations.jsonl")}},
-        "state": {"backend": "memory", "path": str(tmp_path / "state.db")},
-    }
     path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(_merge(base, extra or {})), encoding="utf-8")
+    path.write_text(_serve_document(tmp_path, extra), encoding="utf-8")
     return path
 
 
@@ -183,6 +187,54 @@ def emit_durable_spans(provider: TracerProvider, session: str) -> None:
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class Flood:
+    """What a flood of concurrent SDK exports came to."""
+
+    sent: int  # spans sent
+    results: list[SpanExportResult]  # one per export call
+    processed: int  # spans the server's worker processed
+    refused: float  # spans the receiver refused with queue_full (the exporters then retried them)
+
+
+def flood(
+    config: Config, protocol: Literal["grpc", "http"], *, senders: int, batches: int, per_batch: int, sessions: int,
+) -> Flood:
+    """``senders`` real OTLP exporters at once, each sending ``batches`` batches of ``per_batch`` write
+    spans spread over ``sessions`` sessions, to a server started with ``config``."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("flood")
+    for i in range(senders * batches * per_batch):
+        with tracer.start_as_current_span("tool", attributes={
+            "durable.session.id": f"s-{i % sessions}", "durable.action.id": f"a-{i}", "durable.action.kind": "write",
+            "durable.idempotency_key": f"k-{i}",
+        }):
+            pass
+    spans = list(memory.get_finished_spans())
+    chunks = [spans[i:i + per_batch] for i in range(0, len(spans), per_batch)]
+    with running(config) as server:
+        def send(part: list[list[ReadableSpan]]) -> list[SpanExportResult]:
+            exporter: SpanExporter
+            if protocol == "grpc":
+                exporter = GrpcSpanExporter(endpoint=f"127.0.0.1:{server.grpc_port}", insecure=True, timeout=30)
+            else:
+                exporter = HttpSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=30)
+            try:
+                return [exporter.export(chunk) for chunk in part]
+            finally:
+                exporter.shutdown()
+
+        with concurrent.futures.ThreadPoolExecutor(senders) as pool:
+            results = list(pool.map(send, [chunks[i::senders] for i in range(senders)]))
+        refused = server.telemetry.registry.get_sample_value(
+            "durable_check_spans_rejected_total", {"protocol": protocol, "reason": "queue_full"}
+        )
+        processed = server.worker.processed_spans
+    return Flood(len(spans), [r for part in results for r in part], processed, refused or 0.0)
+
+
 def spans_of(request: Any) -> list[Any]:
     return [span for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans]
 
@@ -203,28 +255,13 @@ _ids = iter(range(1, 1 << 62))
 _ids_lock = threading.Lock()
 
 
-def _set_value(target: Any, value: Any) -> None:
-    if isinstance(value, bool):
-        target.bool_value = value
-    elif isinstance(value, int):
-        target.int_value = value
-    elif isinstance(value, str):
-        target.string_value = value
-    elif isinstance(value, list):
-        target.array_value.SetInParent()
-        for element in value:
-            _set_value(target.array_value.values.add(), element)
-    else:
-        raise TypeError(type(value).__name__)
-
-
 def make_request(
     *spans: Mapping[str, Any], service: str = "svc", start_ns: int = 1_793_524_440_000_000_000,
 ) -> trace_service_pb2.ExportTraceServiceRequest:
     """One ResourceSpans holding a span per attribute mapping, each with fresh trace and span ids."""
     out = trace_service_pb2.ExportTraceServiceRequest()
     resource_spans = out.resource_spans.add()
-    _set_value(_add_kv(resource_spans.resource.attributes, "service.name"), service)
+    add_attributes(resource_spans.resource.attributes, {"service.name": service})
     scope_spans = resource_spans.scope_spans.add()
     scope_spans.scope.name = "durable-check-tests"
     for index, attributes in enumerate(spans):
@@ -236,12 +273,6 @@ def make_request(
         span.span_id = n.to_bytes(8, "big")
         span.start_time_unix_nano = start_ns + index * 1_000_000
         span.end_time_unix_nano = span.start_time_unix_nano + 500_000
-        for key, value in attributes.items():
-            _set_value(_add_kv(span.attributes, key), value)
+        add_attributes(span.attributes, attributes)
     return out
 
-
-def _add_kv(target: Any, key: str) -> Any:
-    kv = target.add()
-    kv.key = key
-    return kv.value

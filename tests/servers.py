@@ -100,22 +100,14 @@ class _Process:
 
 
 @contextmanager
-def prometheus_server(workdir: Path, targets: list[str], rule_files: list[Path]) -> Iterator[_Process]:
-    """Prometheus scraping ``targets`` every second and evaluating ``rule_files`` every second."""
-    binary = require_binary("prometheus")
+def _serving(name: str, binary: str, workdir: Path, config: dict[str, Any], flags: list[str]) -> Iterator[_Process]:
+    """``binary`` reading ``config`` (written as ``<name>.yml``), on a free loopback port until the block ends."""
     workdir.mkdir(parents=True, exist_ok=True)
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-        "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": "durable-check", "static_configs": [{"targets": targets}]}],
-    }
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    config_path = workdir / f"{name}.yml"
+    config_path.write_text(yaml.safe_dump(config))
     port = free_port()
-    proc = _Process("prometheus", [
-        binary,
-        f"--config.file={workdir / 'prometheus.yml'}",
-        f"--storage.tsdb.path={workdir / 'data'}",
-        f"--web.listen-address={LOCALHOST}:{port}",
+    proc = _Process(name, [
+        binary, f"--config.file={config_path}", *flags, f"--web.listen-address={LOCALHOST}:{port}",
     ], workdir, port)
     try:
         proc.wait_ready()
@@ -125,28 +117,37 @@ def prometheus_server(workdir: Path, targets: list[str], rule_files: list[Path])
 
 
 @contextmanager
+def prometheus_server(workdir: Path, targets: list[str], rule_files: list[Path]) -> Iterator[_Process]:
+    """Prometheus scraping ``targets`` every second and evaluating ``rule_files`` every second."""
+    binary = require_binary("prometheus")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+        "rule_files": [str(p) for p in rule_files],
+        "scrape_configs": [{"job_name": "durable-check", "static_configs": [{"targets": targets}]}],
+    }
+    with _serving("prometheus", binary, workdir, config, [f"--storage.tsdb.path={workdir / 'data'}"]) as proc:
+        yield proc
+
+
+@contextmanager
 def alertmanager_server(workdir: Path) -> Iterator[_Process]:
     """Alertmanager with one do-nothing receiver, a short group_wait and no cluster."""
     binary = require_binary("prometheus-alertmanager")
-    workdir.mkdir(parents=True, exist_ok=True)
     config = {
         "route": {"receiver": "null", "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
         "receivers": [{"name": "null"}],
     }
-    (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = _Process("alertmanager", [
-        binary,
-        f"--config.file={workdir / 'alertmanager.yml'}",
-        f"--storage.path={workdir / 'data'}",
-        f"--web.listen-address={LOCALHOST}:{port}",
-        "--cluster.listen-address=",
-    ], workdir, port)
-    try:
-        proc.wait_ready()
+    flags = [f"--storage.path={workdir / 'data'}", "--cluster.listen-address="]
+    with _serving("alertmanager", binary, workdir, config, flags) as proc:
         yield proc
-    finally:
-        proc.stop()
+
+
+def query(prometheus_url: str, expr: str) -> list[dict[str, Any]]:
+    """The result vector of an instant PromQL query."""
+    response = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=5)
+    response.raise_for_status()
+    result: list[dict[str, Any]] = response.json()["data"]["result"]
+    return result
 
 
 @dataclass

@@ -185,3 +185,15 @@ def test_yes_is_not_a_boolean_and_durations_are_bounded() -> None:
         "evaluate.allowed_lateness: must be a duration from 0 to 3660d",
         "evaluate.session_idle_timeout: must be a duration from 0 to 3660d",
     ]
+
+
+def test_durations_name_their_units_largest_first_each_once() -> None:
+    config = parse_config("evaluate:\n  allowed_lateness: 1m30s500ms\n  session_idle_timeout: 90\n", "cfg.yaml")
+    assert (config.evaluate.allowed_lateness, config.evaluate.session_idle_timeout) == (90.5, 90.0)
+    with pytest.raises(ConfigError) as info:
+        parse_config("evaluate:\n  allowed_lateness: 30s1m\n  session_idle_timeout: 1h1h\n", "cfg.yaml")
+    order = "(units go from largest to smallest, each once; e.g. 1h30m)"
+    assert [str(p) for p in info.value.problems] == [
+        f"evaluate.allowed_lateness: not a duration: '30s1m' {order}",
+        f"evaluate.session_idle_timeout: not a duration: '1h1h' {order}",
+    ]

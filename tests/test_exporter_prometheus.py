@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from exporters import ExportersConfig, PrometheusConfig, PrometheusExporter, build_exporters
 from processor.errors import ConfigError
 from processor.telemetry import METRICS, Telemetry, render_markdown
-from tests.servers import LOCALHOST, prometheus_server, wait_until
+from tests.servers import LOCALHOST, prometheus_server, query, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 UNBOUNDED_LABELS = {"session", "session_id", "action", "action_id", "trace_id", "span_id", "violation_id"}
@@ -66,13 +65,6 @@ def test_no_metric_has_an_unbounded_label() -> None:
 def test_telemetry_doc_is_generated_from_the_code() -> None:
     committed = (ROOT / "docs" / "telemetry.md").read_text()
     assert committed == render_markdown(), "regenerate: python -m processor.telemetry > docs/telemetry.md"
-
-
-def query(prometheus_url: str, expr: str) -> list[dict[str, Any]]:
-    response = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=5)
-    response.raise_for_status()
-    result: list[dict[str, Any]] = response.json()["data"]["result"]
-    return result
 
 
 @pytest.mark.servers

@@ -12,7 +12,15 @@ import pytest
 
 from exporters import PrometheusExporter, WebhookConfig, WebhookExporter
 from processor.telemetry import STATE_FAILURE_KINDS, Telemetry
-from tests.servers import LOCALHOST, free_port, make_violation, prometheus_server, require_binary, wait_until
+from tests.servers import (
+    LOCALHOST,
+    free_port,
+    make_violation,
+    prometheus_server,
+    query,
+    require_binary,
+    wait_until,
+)
 
 CONFIG = Path(__file__).resolve().parent.parent / "config"
 RULES = CONFIG / "prometheus-alerts.yaml"
@@ -49,13 +57,6 @@ def alerts(prometheus_url: str) -> dict[str, list[dict[str, Any]]]:
     for alert in response.json()["data"]["alerts"]:
         by_name.setdefault(alert["labels"]["alertname"], []).append(alert)
     return by_name
-
-
-def query(prometheus_url: str, expr: str) -> list[dict[str, Any]]:
-    response = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=5)
-    response.raise_for_status()
-    result: list[dict[str, Any]] = response.json()["data"]["result"]
-    return result
 
 
 @pytest.mark.servers

@@ -407,10 +407,26 @@ def test_unreadable_and_non_utf8_files(tmp_path: Path) -> None:
 def test_yaml_aliases_do_not_expand_into_rules(tmp_path: Path) -> None:
     text = "version: 1\nlists:\n  a: &a [x, y]\n  b: [*a, *a]\nrules: []\n"
     path = _write(tmp_path, "alias.yaml", text)
+    # The aliased node is one node: its problem is said once, not once per alias.
     assert [str(p) for p in lint([path], include_shipped=False)] == [
         f"{path}:3:6: an item of list b must be a string, got a list",
-        f"{path}:3:6: an item of list b must be a string, got a list",
     ]
+
+
+def test_a_duplicate_id_is_reported_even_when_either_rule_has_other_problems(tmp_path: Path) -> None:
+    rule = "  - id: X1\n    name: {name}\n    severity: {severity}\n    type: condition\n    condition: 'true'\n"
+    rule += "    message: m\n"
+    text = "version: 1\nrules:\n" + rule.format(name="one", severity="loud") + rule.format(name="two", severity="info")
+    path = _write(tmp_path, "dup.yaml", text)
+    found = [str(p) for p in lint([path], include_shipped=False)]
+    assert f"{path}:9:9: rule X1 (two): duplicate id X1: already used at {path}:3:9" in found
+    assert any("severity" in p and ":5:" in p for p in found)
+    swapped = "version: 1\nrules:\n" + rule.format(name="one", severity="info")
+    swapped += rule.format(name="two", severity="loud")
+    path.write_text(swapped, encoding="utf-8")
+    found = [str(p) for p in lint([path], include_shipped=False)]
+    assert f"{path}:9:9: rule X1 (two): duplicate id X1: already used at {path}:3:9" in found
+    assert any("severity" in p and ":11:" in p for p in found)
 
 
 def test_constant_deadline_and_message_types(tmp_path: Path) -> None:

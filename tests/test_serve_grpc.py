@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +9,13 @@ import grpc
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from processor.receive.otlp_grpc import TRACE_SERVICE
 from tests.serve_support import (
     Recording,
     emit_durable_spans,
+    flood,
     keys_of,
     make_request,
     read_jsonl,
@@ -70,37 +68,11 @@ def test_sdk_grpc_exporter_agent_run_finds_what_replay_finds(tmp_path: Path) -> 
 
 def test_flood_beyond_the_queue_is_delayed_not_lost(tmp_path: Path) -> None:
     config = serve_config(tmp_path, {"queue": {"max_requests": 2, "max_spans": 400, "retry_after": "200ms"}})
-    senders, batches, per_batch = 8, 6, 100
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracer = provider.get_tracer("flood")
-    for i in range(senders * batches * per_batch):
-        with tracer.start_as_current_span("tool", attributes={
-            "durable.session.id": f"s-{i % 50}", "durable.action.id": f"a-{i}", "durable.action.kind": "write",
-            "durable.idempotency_key": f"k-{i}",
-        }):
-            pass
-    spans = list(memory.get_finished_spans())
-    chunks = [spans[i:i + per_batch] for i in range(0, len(spans), per_batch)]
-    with running(config) as server:
-        def send(part: list[Any]) -> list[SpanExportResult]:
-            exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{server.grpc_port}", insecure=True, timeout=30)
-            try:
-                return [exporter.export(chunk) for chunk in part]
-            finally:
-                exporter.shutdown()
-
-        with concurrent.futures.ThreadPoolExecutor(senders) as pool:
-            results = list(pool.map(send, [chunks[i::senders] for i in range(senders)]))
-        refused = server.telemetry.registry.get_sample_value(
-            "durable_check_spans_rejected_total", {"protocol": "grpc", "reason": "queue_full"}
-        )
-        processed = server.worker.processed_spans
-    assert all(r == SpanExportResult.SUCCESS for part in results for r in part)
-    assert processed == len(spans)
+    outcome = flood(config, "grpc", senders=8, batches=6, per_batch=100, sessions=50)
+    assert all(r == SpanExportResult.SUCCESS for r in outcome.results)
+    assert outcome.processed == outcome.sent
     # The queue did overflow: the exporters' retries are what carried those spans through.
-    assert refused > 0
+    assert outcome.refused > 0
 
 
 def test_bad_input_gets_its_status_and_the_server_keeps_serving(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import gzip
 from pathlib import Path
 from typing import Any
@@ -15,13 +14,12 @@ from google.protobuf import json_format
 from google.rpc import status_pb2
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from tests.serve_support import (
     Recording,
     emit_durable_spans,
+    flood,
     keys_of,
     make_request,
     read_jsonl,
@@ -170,36 +168,10 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(tmp_path: Path) 
 
 def test_sdk_http_exporter_retries_through_a_full_queue(tmp_path: Path) -> None:
     config = serve_config(tmp_path, {"queue": {"max_requests": 1, "max_spans": 100, "retry_after": "100ms"}})
-    senders, batches, per_batch = 6, 3, 100
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracer = provider.get_tracer("flood")
-    for i in range(senders * batches * per_batch):
-        with tracer.start_as_current_span("tool", attributes={
-            "durable.session.id": f"s-{i % 20}", "durable.action.id": f"a-{i}", "durable.action.kind": "write",
-            "durable.idempotency_key": f"k-{i}",
-        }):
-            pass
-    spans = list(memory.get_finished_spans())
-    chunks = [spans[i:i + per_batch] for i in range(0, len(spans), per_batch)]
-    with running(config) as server:
-        def send(part: list[Any]) -> list[SpanExportResult]:
-            exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=30)
-            try:
-                return [exporter.export(chunk) for chunk in part]
-            finally:
-                exporter.shutdown()
-
-        with concurrent.futures.ThreadPoolExecutor(senders) as pool:
-            results = list(pool.map(send, [chunks[i::senders] for i in range(senders)]))
-        refused = server.telemetry.registry.get_sample_value(
-            "durable_check_spans_rejected_total", {"protocol": "http", "reason": "queue_full"}
-        )
-        processed = server.worker.processed_spans
-    assert all(r == SpanExportResult.SUCCESS for part in results for r in part)
-    assert processed == len(spans)
-    assert refused > 0
+    outcome = flood(config, "http", senders=6, batches=3, per_batch=100, sessions=20)
+    assert all(r == SpanExportResult.SUCCESS for r in outcome.results)
+    assert outcome.processed == outcome.sent
+    assert outcome.refused > 0
 
 
 def test_gzip_compressed_export_from_the_sdk(tmp_path: Path) -> None:

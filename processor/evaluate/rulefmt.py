@@ -34,6 +34,7 @@ import yaml
 from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from processor import configfmt
 from processor.errors import ExpressionError, Problem, RuleFormatError
 from processor.evaluate.cel import Environment, compile_expression
 from processor.evaluate.functions import RULE_FUNCTIONS
@@ -98,20 +99,6 @@ OVERRIDE_KEYS: Final = ("id", "enabled", "severity", "strict_only")
 META_FIELDS: Final = frozenset({"source", "synthetic_action_id", "line", "time_ns"})
 MALFORMED_META_FIELDS: Final = frozenset({"source", "line", "problem"})
 
-_DURATION_UNITS: Final[dict[str, float]] = {
-    "w": 7 * 86_400.0,
-    "d": 86_400.0,
-    "h": 3_600.0,
-    "m": 60.0,
-    "s": 1.0,
-    "ms": 1e-3,
-    "us": 1e-6,
-    "µs": 1e-6,
-    "ns": 1e-9,
-}
-_DURATION_ORDER: Final = ("w", "d", "h", "m", "s", "ms", "us", "µs", "ns")
-_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|us|µs|ns|w|d|h|m|s)")
-
 _YAML_TAG: Final = "tag:yaml.org,2002:"
 # Keys whose expression is a test: anything but a bool (or a value only known at run time) is a mistake.
 _BOOLEAN_KEYS: Final = frozenset({"condition", "first", "then"})
@@ -156,22 +143,14 @@ def parse_duration(text: str, *, allow_zero: bool = False) -> float:
     400 days. Raises ValueError with a message fit for a user.
     """
     hint = "a duration such as 90s, 5m, 2h, 7d or 1h30m"
-    if not text:
-        raise ValueError(f"empty duration: want {hint}")
-    total = 0.0
-    position = 0
-    last_unit = -1
-    for match in _DURATION_PART.finditer(text):
-        if match.start() != position:
-            break
-        unit_rank = _DURATION_ORDER.index(match.group(2))
-        if unit_rank <= last_unit:
-            raise ValueError(f"bad duration {text!r}: units must go from largest to smallest, each once")
-        last_unit = unit_rank
-        total += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-        position = match.end()
-    if position != len(text) or position == 0:
-        raise ValueError(f"bad duration {text!r}: want {hint}")
+    try:
+        total = configfmt.parse_duration(text)
+    except configfmt.DurationError as exc:
+        if exc.reason == "empty":
+            raise ValueError(f"empty duration: want {hint}") from None
+        if exc.reason == "order":
+            raise ValueError(f"bad duration {text!r}: units must go from largest to smallest, each once") from None
+        raise ValueError(f"bad duration {text!r}: want {hint}") from None
     if total <= 0 and not allow_zero:
         raise ValueError(f"bad duration {text!r}: must be more than zero")
     if total > MAX_DURATION_S:
@@ -334,8 +313,15 @@ class _Problems:
         self.items: list[tuple[SourcePos | str, str]] = []
         self.file_order: dict[str, int] = {}
         self.dropped = 0
+        # A node reached through several YAML aliases is checked once per alias: its
+        # problems are said once.
+        self._seen: set[tuple[str, str]] = set()
 
     def add(self, where: SourcePos | str, message: str) -> None:
+        key = (str(where), message)
+        if key in self._seen:
+            return
+        self._seen.add(key)
         if len(self.items) >= MAX_PROBLEMS:
             self.dropped += 1
             return
@@ -1032,22 +1018,23 @@ def _load(paths: Sequence[str | Path], include_shipped: bool, strict_only_ok: bo
         return ruleset
     extra_fields = {name for parsed in parsed_files for name, _ in parsed.record_fields}
     builder = _RuleBuilder(_environments(lists, extra_fields), lists, problems)
-    placed: dict[str, _Located] = {}
+    # Ids are compared as written, before a rule is built: a duplicate is reported even
+    # when either rule has other problems (every problem is said at once).
+    placed: dict[str, str] = {}
     for parsed in parsed_files:
         for index, node in enumerate(parsed.rule_nodes):
             ctx = _Context(parsed.src, problems, _rule_label(node, index))
+            id_node = _raw_id_node(node)
+            duplicate = False
+            if id_node is not None:
+                here = str(parsed.src.pos(id_node))
+                earlier = placed.setdefault(id_node.value, here)
+                if earlier != here:
+                    ctx.error(id_node, f"duplicate id {id_node.value}: already used at {earlier}")
+                    duplicate = True
             located = builder.build(ctx, node)
-            if located is None:
-                continue
-            rule = located.rule
-            earlier = placed.get(rule.id)
-            if earlier is not None:
-                ctx.error(
-                    located.id_node, f"duplicate id {rule.id}: already used at {earlier.src.pos(earlier.id_node)}"
-                )
-                continue
-            placed[rule.id] = located
-            ruleset.rules.append(rule)
+            if located is not None and not duplicate:
+                ruleset.rules.append(located.rule)
 
     overridden: dict[str, _Override] = {}
     rules_by_id = ruleset.by_id()
@@ -1079,6 +1066,15 @@ def _load(paths: Sequence[str | Path], include_shipped: bool, strict_only_ok: bo
     if not strict_only_ok:
         ruleset.rules = [r for r in ruleset.rules if not r.strict_only]
     return ruleset
+
+
+def _raw_id_node(node: Node) -> ScalarNode | None:
+    """The ``id:`` value of a rule node as written, when it is a non-empty scalar."""
+    if isinstance(node, MappingNode):
+        for key, value in node.value:
+            if isinstance(key, ScalarNode) and key.value == "id" and isinstance(value, ScalarNode) and value.value:
+                return value
+    return None
 
 
 def _override_label(node: Node) -> str:

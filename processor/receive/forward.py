@@ -34,7 +34,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from exporters.otlp_transport import grpc_target, http_url
+from exporters.otlp_transport import RETRYABLE_GRPC_CODES, RETRYABLE_HTTP_STATUSES, grpc_target, http_url
 from processor.config import ForwardConfig
 from processor.telemetry import Telemetry
 from processor.violations import Violation
@@ -43,16 +43,6 @@ logger = logging.getLogger(__name__)
 
 VIOLATION_RULES_ATTRIBUTE: Final = "durable.violation.rules"
 
-_RETRYABLE_GRPC: Final = frozenset({
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.OUT_OF_RANGE,
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DATA_LOSS,
-})
-_RETRYABLE_HTTP: Final = frozenset({429, 502, 503, 504})
 # Drop warnings are summarised at most this often, so an outage does not flood the log.
 _DROP_LOG_INTERVAL_S: Final = 10.0
 
@@ -218,7 +208,7 @@ class _GrpcSender:
             call = cast(grpc.Call, error)
             code = call.code()
             retry_after = _grpc_retry_delay(call.trailing_metadata() or ())
-            return _Outcome(False, code in _RETRYABLE_GRPC, retry_after, f"gRPC {code.name}")
+            return _Outcome(False, code in RETRYABLE_GRPC_CODES, retry_after, f"gRPC {code.name}")
         return _Outcome(True, False, None, "", response.partial_success.rejected_spans)
 
     def close(self) -> None:
@@ -270,7 +260,8 @@ class _HttpSender:
                 retry_after = max(0.0, float(header))
             except ValueError:
                 retry_after = None
-        return _Outcome(False, response.status_code in _RETRYABLE_HTTP, retry_after, f"HTTP {response.status_code}")
+        status = response.status_code
+        return _Outcome(False, status in RETRYABLE_HTTP_STATUSES, retry_after, f"HTTP {status}")
 
     def close(self) -> None:
         self._client.close()

@@ -41,7 +41,7 @@ import psycopg
 
 from processor.errors import StateError
 from processor.state.faults import SessionOwnedElsewhere, postgres_error
-from processor.state.sqlstore import SCHEMA_VERSION, TABLES, SqlStateStore, dumps
+from processor.state.sqlstore import TABLES, SqlStateStore, dumps
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +119,7 @@ class PostgresStore(SqlStateStore):
         self.begin()
         try:
             self.execute("SELECT pg_advisory_xact_lock(?)", (_SCHEMA_LOCK,))
-            for statement in (*TABLES, *_OWNERSHIP):
-                self.execute(statement.format(**_TYPES))
-            found = self.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if found is None:
-                self.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(found[0]) != SCHEMA_VERSION:
-                raise StateError(f"the state database {self.where} has schema version {found[0]}; this build "
-                                 f"reads version {SCHEMA_VERSION}")
+            self.create_schema((*TABLES, *_OWNERSHIP), _TYPES, self.where)
             self.commit_transaction()
         except BaseException:
             self.rollback()
@@ -187,12 +180,7 @@ class PostgresStore(SqlStateStore):
                 " FOR UPDATE", (session_id,),
             ).fetchone()
             if row is None:
-                inserted = self.execute(
-                    "INSERT INTO session_owner (session_id, replica_id, lease_until) VALUES (?, ?, lease_end(?))"
-                    " ON CONFLICT (session_id) DO NOTHING RETURNING 1",
-                    (session_id, me, self.lease_ttl_s),
-                ).fetchone()
-                if inserted is None:
+                if not self._claim(session_id):
                     return SessionOwnedElsewhere("a session of this request was just claimed by another replica")
                 if self.execute("SELECT 1 FROM sessions WHERE session_id = ?", (session_id,)).fetchone():
                     self._takeover = True
@@ -214,6 +202,15 @@ class PostgresStore(SqlStateStore):
             if owner != me:
                 self._takeover = True
         return None
+
+    def _claim(self, session_id: str) -> bool:
+        """Take an unowned session with a fresh lease; False when another replica claimed it first."""
+        inserted = self.execute(
+            "INSERT INTO session_owner (session_id, replica_id, lease_until) VALUES (?, ?, lease_end(?))"
+            " ON CONFLICT (session_id) DO NOTHING RETURNING 1",
+            (session_id, self.replica_id, self.lease_ttl_s),
+        ).fetchone()
+        return inserted is not None
 
     def _stopped_unadopted(self, replica: str) -> bool:
         row = self.execute(
@@ -243,12 +240,7 @@ class PostgresStore(SqlStateStore):
             )
         missing = [sid for sid in saved if sid not in owners]
         for session_id in missing:
-            inserted = self.execute(
-                "INSERT INTO session_owner (session_id, replica_id, lease_until) VALUES (?, ?, lease_end(?))"
-                " ON CONFLICT (session_id) DO NOTHING RETURNING 1",
-                (session_id, me, self.lease_ttl_s),
-            ).fetchone()
-            if inserted is None:
+            if not self._claim(session_id):
                 raise SessionOwnedElsewhere("a session of this batch was claimed by another replica")
         if saved:
             self.execute(

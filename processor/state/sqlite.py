@@ -38,7 +38,7 @@ from typing import Any, Final, Literal
 
 from processor.errors import StateError
 from processor.state.faults import StateCorrupt, StateUnavailable, check_state_directory, sqlite_error
-from processor.state.sqlstore import SCHEMA_VERSION, TABLES, SqlStateStore
+from processor.state.sqlstore import TABLES, SqlStateStore
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +107,7 @@ class SqliteStore(SqlStateStore):
     def _create_tables(self) -> None:
         self.begin()
         try:
-            for statement in TABLES:
-                self._conn.execute(statement.format(**_TYPES))
-            found = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if found is None:
-                self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(found[0]) != SCHEMA_VERSION:
-                raise StateError(f"the state database {self.path} has schema version {found[0]}; this build "
-                                 f"reads version {SCHEMA_VERSION}")
+            self.create_schema(TABLES, _TYPES, str(self.path))
             self.commit_transaction()
         except BaseException:
             self.rollback()

@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import logging
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import orjson
@@ -129,6 +129,21 @@ class SqlStateStore(StateStore):
     @abstractmethod
     def translate(self, exc: Exception) -> StateError | None:
         """The StateError for a driver error, or None when ``exc`` is not one."""
+
+    def create_schema(self, statements: Iterable[str], column_types: Mapping[str, str], where: str) -> None:
+        """Create the tables that are missing and check the schema version, inside the caller's transaction.
+
+        ``column_types`` fills the dialect's ``{INT}``, ``{BLOB}`` and ``{SERIAL}``; ``where`` names
+        the database in the error.
+        """
+        for statement in statements:
+            self.execute(statement.format(**column_types))
+        found = self.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if found is None:
+            self.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(found[0]) != SCHEMA_VERSION:
+            raise StateError(f"the state database {where} has schema version {found[0]}; this build "
+                             f"reads version {SCHEMA_VERSION}")
 
     def owned_sessions_clause(self) -> tuple[str, tuple[Any, ...]]:
         """A WHERE condition on ``session_id`` selecting the sessions this store loads (all, for one replica)."""

@@ -775,52 +775,41 @@ def _build_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 MacroBuilder = Callable[[str, str, Fn, Fn | None, Fn | None], Fn]
 
 
-def _exists(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None) -> Fn:
-    assert predicate is not None
+def _quantifier(decisive: bool) -> MacroBuilder:
+    """``exists`` (decisive: true) or ``all`` (decisive: false).
 
-    def exists(activation: Activation) -> bool:
-        scope = dict(activation)
-        failure: EvaluationError | None = None
-        for item in iteration_items(iter_range(activation), macro):
-            scope[var] = item
-            try:
-                value = predicate(scope)
-            except EvaluationError as exc:
-                failure = failure or exc
-                continue
-            if value is True:
-                return True
-            if value is not False:
-                failure = failure or no_overload("exists", value)
-        if failure is not None:
-            raise failure
-        return False
+    As with ``||`` and ``&&``, an item whose value decides wins even over an earlier
+    error; an error, or a value that is not a bool, wins only if no item decides.
+    """
+    neutral: bool = not decisive
+    # Separate names to return, so that comparing with "is" does not narrow them to Any for mypy.
+    decided: bool = decisive
+    undecided: bool = neutral
 
-    return exists
+    def build(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None) -> Fn:
+        assert predicate is not None
 
+        def quantify(activation: Activation) -> bool:
+            scope = dict(activation)
+            failure: EvaluationError | None = None
+            for item in iteration_items(iter_range(activation), macro):
+                scope[var] = item
+                try:
+                    value = predicate(scope)
+                except EvaluationError as exc:
+                    failure = failure or exc
+                    continue
+                if value is decisive:
+                    return decided
+                if value is not neutral:
+                    failure = failure or no_overload(macro, value)
+            if failure is not None:
+                raise failure
+            return undecided
 
-def _all(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None) -> Fn:
-    assert predicate is not None
+        return quantify
 
-    def all_items(activation: Activation) -> bool:
-        scope = dict(activation)
-        failure: EvaluationError | None = None
-        for item in iteration_items(iter_range(activation), macro):
-            scope[var] = item
-            try:
-                value = predicate(scope)
-            except EvaluationError as exc:
-                failure = failure or exc
-                continue
-            if value is False:
-                return False
-            if value is not True:
-                failure = failure or no_overload("all", value)
-        if failure is not None:
-            raise failure
-        return True
-
-    return all_items
+    return build
 
 
 def _exists_one(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None) -> Fn:
@@ -880,8 +869,8 @@ def _filter(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transfo
 
 
 _MACRO_BUILDERS: Final[dict[str, MacroBuilder]] = {
-    "exists": _exists,
-    "all": _all,
+    "exists": _quantifier(decisive=True),
+    "all": _quantifier(decisive=False),
     "exists_one": _exists_one,
     "map": _map,
     "filter": _filter,

@@ -57,7 +57,9 @@ def load_config_or_none(path: str | None) -> Config | None:
         return None
     from processor.config import load_config
 
-    return load_config(path)
+    # Replay uses only these sections: a serve configuration whose other sections
+    # reference environment variables (a database DSN, a token) still works here.
+    return load_config(path, sections=("convert", "evaluate"))
 
 
 def make_converter(config_path: str | None, config: Config | None = None) -> SpanConverter:

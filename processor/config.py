@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -349,8 +349,16 @@ exporters:
 """
 
 
-def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> Config:
-    """The configuration in ``path`` (or the embedded default); ConfigError lists every problem."""
+def load_config(
+    path: str | None, environ: Mapping[str, str] | None = None, sections: Collection[str] | None = None
+) -> Config:
+    """The configuration in ``path`` (or the embedded default); ConfigError lists every problem.
+
+    With ``sections``, only those sections are decoded (the others keep their defaults
+    and their ``${env:...}`` references are not expanded): replay reads a serve
+    configuration for its ``convert`` and ``evaluate`` sections alone. Unknown
+    top-level keys are still reported.
+    """
     if path is None:
         text, where = DEFAULT_CONFIG_YAML, "(default configuration)"
     else:
@@ -363,11 +371,13 @@ def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> C
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
             raise ConfigError([Problem(path, reason)], "cannot read the configuration") from None
         where = path
-    return parse_config(text, where, environ)
+    return parse_config(text, where, environ, sections)
 
 
-def parse_config(text: str, where: str, environ: Mapping[str, str] | None = None) -> Config:
-    """Decode YAML ``text`` (read from ``where``, named in messages)."""
+def parse_config(
+    text: str, where: str, environ: Mapping[str, str] | None = None, sections: Collection[str] | None = None
+) -> Config:
+    """Decode YAML ``text`` (read from ``where``, named in messages); see ``load_config``."""
     try:
         raw = load_yaml_strict(text, where)
     except YamlProblem as exc:
@@ -377,6 +387,11 @@ def parse_config(text: str, where: str, environ: Mapping[str, str] | None = None
     problems: list[Problem] = []
     if not isinstance(raw, dict):
         raise ConfigError([Problem(where, "the configuration must be a mapping of sections")], "invalid configuration")
+    if sections is not None:
+        known = {f.name for f in dataclasses.fields(Config)}
+        allowed = ", ".join(sorted(known))
+        problems.extend(Problem(str(key), f"unknown section; allowed: {allowed}") for key in raw if key not in known)
+        raw = {key: value for key, value in raw.items() if key in sections}
     raw = expand_env(raw, "", problems, environ)
     convert_raw = raw.pop("convert", None)
     config = decode(Config, raw, "", problems)

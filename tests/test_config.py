@@ -197,3 +197,23 @@ def test_durations_name_their_units_largest_first_each_once() -> None:
         f"evaluate.allowed_lateness: not a duration: '30s1m' {order}",
         f"evaluate.session_idle_timeout: not a duration: '1h1h' {order}",
     ]
+
+
+def test_replay_reads_only_convert_and_evaluate_of_a_serve_configuration(tmp_path: Path) -> None:
+    text = (
+        "state:\n  backend: postgres\n  postgres:\n    dsn: ${env:DSN_NOT_SET_ANYWHERE}\n"
+        "evaluate:\n  strict: true\n  allowed_lateness: 2s\n"
+    )
+    with pytest.raises(ConfigError):
+        parse_config(text, "serve.yaml", environ={})
+    config = parse_config(text, "serve.yaml", environ={}, sections=("convert", "evaluate"))
+    assert config.evaluate.strict is True and config.evaluate.allowed_lateness == 2.0
+    # A misspelt section is still a mistake worth naming.
+    with pytest.raises(ConfigError) as info:
+        parse_config("evalute:\n  strict: true\n", "serve.yaml", environ={}, sections=("convert", "evaluate"))
+    assert [p.where for p in info.value.problems] == ["evalute"]
+    # And replay itself accepts the file.
+    path = tmp_path / "serve.yaml"
+    path.write_text(text, encoding="utf-8")
+    log = Path(__file__).parent / "testdata" / "skill-fixtures" / "actions.good.jsonl"
+    assert cli.main(["replay", "--config", str(path), str(log)]) == 0

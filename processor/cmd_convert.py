@@ -33,6 +33,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from processor.cmd_replay import make_converter
     from processor.receive.files import read_input
+    from processor.report import printable
 
     converter = make_converter(args.config)
     out: BinaryIO
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                     elif isinstance(item, Malformed):
                         skipped += 1
                         where = f"{item.origin}:{item.line}" if item.line is not None else item.origin
-                        sys.stderr.write(f"{where}: skipped: {item.message}\n")
+                        sys.stderr.write(printable(f"{where}: skipped: {item.message}") + "\n")
             except InputError as exc:
                 unreadable += 1
                 sys.stderr.write(f"durable-check: {exc}\n")

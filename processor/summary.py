@@ -74,7 +74,8 @@ class EngineSummary:
     """Per-session summaries (open sessions, then ended ones the engine still remembers) and totals.
 
     ``actions_seen`` counts every Action submitted, duplicates included;
-    ``actions_evaluated`` those that reached the rules. ``rule_errors`` counts, per rule,
+    ``actions_evaluated`` those that reached the rules (counted when accepted: a span
+    still in the reordering buffer is counted, and its condition rules ran). ``rule_errors`` counts, per rule,
     records on which one of the rule's expressions failed at run time (the rule did not
     fire on them). ``ended_sessions_dropped`` counts ended sessions whose summary was
     not kept (the list of ended sessions is bounded). ``waits_resolved_late`` counts

@@ -1,14 +1,25 @@
 """The streaming, per-session, stateful rule engine that replay and serve both drive.
 
-**Order.** Within a session, records are evaluated in event-time order (``time_ns``,
-then ``seq``, then arrival). Action-log records (source ``log``) are one line per action
-in the order the agent wrote them: they are evaluated at arrival. Spans are held in a
-reordering buffer and released in order once the *watermark* passes them. The
-watermark is ``max event time seen - allowed_lateness`` (never moving back); in serve
-it also moves with the clock: a span buffered for ``allowed_lateness`` of wall time
-is released together with everything not later than it. A span that arrives behind
-the watermark is *late*: counted and evaluated at once, never dropped. A session whose
-buffer reaches ``max_buffered_per_session`` forces the watermark forward.
+**Order.** Within a session, stateful rules (``sequence``, ``absence``, ``change``,
+``count``) see records in event-time order (``time_ns``, then ``seq``, then arrival).
+Action-log records (source ``log``) are one line per action in the order the agent
+wrote them: they are evaluated at arrival. Spans are held in a reordering buffer and
+released in order once the *watermark* passes them. The watermark is ``max event time
+seen - allowed_lateness`` (never moving back); in serve it also moves with the clock: a
+span buffered for ``allowed_lateness`` of wall time is released together with everything
+not later than it. A span that arrives behind the watermark is *late*: counted and
+evaluated at once, never dropped. A session whose buffer reaches
+``max_buffered_per_session`` forces the watermark forward.
+
+**Acceptance.** ``condition`` rules read one record alone, so order cannot change their
+verdict: a span is counted (``actions_evaluated``, its session's actions by kind) and
+its condition rules run when it is *accepted* (not a duplicate), and their violations
+come back from the ``submit`` that accepted it; only the stateful rules wait for the
+buffer. The violations of a run are the same as if everything ran at release; only
+the moment condition violations are returned differs. A buffered span carries this
+mark (``conditions_done``) into the store, so one released after a restart runs only
+its stateful rules; a buffered span without the mark (state written before conditions
+ran at acceptance) is counted and checked in full at its release.
 
 **Duplicates.** A span's ``delivery_key`` (trace, span, event index) is remembered per
 session (bounded); a second delivery is skipped before any rule and counted.
@@ -57,6 +68,7 @@ status, a key's presence. Which rules to run on a record is computed once per re
 condition whose guard refutes the record is not evaluated, a stateful rule whose
 ``first`` cannot match skips sessions that hold no state for it. A refuted expression
 evaluates to false, never to an error, so routes change no verdict and no error count.
+A buffered span keeps the route found at its acceptance for its release (in memory only).
 
 **State** lives in live :class:`~processor.state.session.SessionState` objects that
 the engine mutates; a :class:`~processor.state.base.StateStore` is handed the changed
@@ -299,6 +311,9 @@ class _Buffered(NamedTuple):
 
     A tuple ordered by (time, seq, arrival): the heap compares them in C, and the
     arrival number is unique, so the action itself is never compared.
+    ``conditions_done``: the span was counted and its condition rules ran when it was
+    accepted; its release runs only the stateful rules. ``route``: the rules found for it
+    then (kept in memory only, to spare a second lookup; None after a restore).
     """
 
     time_ns: int
@@ -306,6 +321,8 @@ class _Buffered(NamedTuple):
     arrival: int
     action: Action
     received_ns: int
+    conditions_done: bool
+    route: _Route | None
 
 
 def _wait_span_ns(seconds: float) -> int:
@@ -317,8 +334,8 @@ def _wait_span_ns(seconds: float) -> int:
     return round(seconds * _NS)
 
 
-def _buffered(action: Action, arrival: int, received_ns: int) -> _Buffered:
-    return _Buffered(action.time_ns or 0, action.seq, arrival, action, received_ns)
+def _buffered(action: Action, arrival: int, received_ns: int, conditions_done: bool) -> _Buffered:
+    return _Buffered(action.time_ns or 0, action.seq, arrival, action, received_ns, conditions_done, None)
 
 
 def _action_to_plain(action: Action) -> dict[str, Any]:
@@ -385,7 +402,12 @@ class EngineState(EngineStateLike):
             "violations_by_rule": dict(self.violations_by_rule),
             "rule_errors": dict(self.rule_errors),
             "buffer": [
-                {"action": _action_to_plain(b.action), "arrival": b.arrival, "received_ns": b.received_ns}
+                {
+                    "action": _action_to_plain(b.action),
+                    "arrival": b.arrival,
+                    "received_ns": b.received_ns,
+                    "conditions_done": b.conditions_done,
+                }
                 for b in sorted(self.buffer)
             ],
         }
@@ -400,7 +422,14 @@ class EngineState(EngineStateLike):
         state.violations_by_rule = {str(k): int(v) for k, v in plain["violations_by_rule"].items()}
         state.rule_errors = {str(k): int(v) for k, v in plain["rule_errors"].items()}
         for entry in plain["buffer"]:
-            item = _buffered(_action_from_plain(entry["action"]), int(entry["arrival"]), int(entry["received_ns"]))
+            # State written before conditions ran at acceptance has no such key: those spans
+            # were neither counted nor checked yet, so their release does both.
+            item = _buffered(
+                _action_from_plain(entry["action"]),
+                int(entry["arrival"]),
+                int(entry["received_ns"]),
+                bool(entry.get("conditions_done", False)),
+            )
             state.buffer.append(item)
             state.received.append((item.received_ns, item.time_ns))
         heapq.heapify(state.buffer)
@@ -551,6 +580,8 @@ class Engine:
         loaded = self._store.load_engine()
         if isinstance(loaded, EngineState):
             state = loaded
+            # Routes found by the engine that buffered these spans hold its rules, not this one's.
+            state.buffer = [item._replace(route=None) for item in state.buffer]
         elif isinstance(loaded, dict):
             state = EngineState.from_plain(loaded)
         else:
@@ -687,9 +718,14 @@ class Engine:
             self._tm_late += 1
             self._evaluate(action, session, out)
             return
+        # Condition rules read the record alone: they run now, not when the buffer releases the
+        # span (up to allowed_lateness later). Only the stateful rules need event-time order.
+        route = self._accept(action, session, out)
         state.arrivals += 1
         # tuple.__new__ skips the Python-level __new__ of a NamedTuple: this runs for every span.
-        heapq.heappush(state.buffer, tuple.__new__(_Buffered, (t, action.seq, state.arrivals, action, self._now_ns)))
+        heapq.heappush(
+            state.buffer, tuple.__new__(_Buffered, (t, action.seq, state.arrivals, action, self._now_ns, True, route))
+        )
         if self._serve:
             state.received.append((self._now_ns, t))
         session.buffered += 1
@@ -802,7 +838,7 @@ class Engine:
             self._sessions.move_to_end(session_id)
             self._dirty.add(session_id)
         self._received_ns = item.received_ns
-        self._evaluate(action, session, out)
+        self._evaluate(action, session, out, accepted=item.conditions_done, route=item.route)
         self._received_ns = None
         return item.time_ns
 
@@ -886,52 +922,27 @@ class Engine:
 
     # -- evaluation -------------------------------------------------------------------
 
-    def _evaluate(self, action: Action, session: SessionState, out: list[Violation]) -> None:
+    def _evaluate(
+        self,
+        action: Action,
+        session: SessionState,
+        out: list[Violation],
+        *,
+        accepted: bool = False,
+        route: _Route | None = None,
+    ) -> None:
+        """Run the rules on a record in its event-time turn; ``accepted``: counted and conditions run already."""
         t = action.time_ns
         next_deadline = session.next_deadline_ns
         if next_deadline is not None and t is not None and next_deadline < t:
             self._fire_session_deadlines(session, t, out)
-        self._state.counters["actions_evaluated"] += 1
         record = action.record
-        kind = record.get("kind")
-        if type(kind) is not str:
-            kind = ""
-        self._count_kind(session, kind)
-        if self._telemetry is not None:
-            label = (
-                kind if kind in _KNOWN_KINDS else "other",
-                _label_status(record.get("status")),
-                self._service_label(record.get("service")),
-            )
-            self._tm_actions[label] = self._tm_actions.get(label, 0) + 1
-
-        source = action.source
-        meta = self._meta
-        meta["source"] = source
-        meta["synthetic_action_id"] = action.synthetic_action_id
-        meta["line"] = action.line or 0
-        meta["time_ns"] = t or 0
+        if not accepted:
+            self._count_record(session, record)
+        route = self._prepare(action, route)
+        if not accepted:
+            self._run_conditions(route, action, session, out)
         act = self._act
-        act["record"] = record
-        act["first"] = _EMPTY
-        values = list(map(record.get, self._guarded_fields))
-        try:
-            shape = (source, *map(_class_of, self._value_classes, values, map(type, values)), *record)
-            route = self._routes[shape]
-        except KeyError:
-            route = self._new_route(shape, record)
-        except TypeError:  # an unhashable value in a guarded field: this record gets its own route
-            route = self._route(record)
-
-        for plan in route.conditions:
-            try:
-                hit = plan.condition_fn(act)  # type: ignore[misc]  # condition plans have one
-            except EvaluationError:
-                self._rule_error(plan, "condition")
-                continue
-            if hit is True:
-                self._emit(self._violation(plan, action, act, session), session, out)
-
         for plan, handler, skip_when_empty, first_possible, then_possible, key_field in route.stateful:
             condition = plan.condition_fn
             if condition is not None:
@@ -968,6 +979,64 @@ class Engine:
             handler(plan, action, session, key, out, first_possible=first_possible, then_possible=then_possible)
         act["record"] = _EMPTY
         act["first"] = _EMPTY
+
+    def _accept(self, action: Action, session: SessionState, out: list[Violation]) -> _Route:
+        """What a buffered span gets at once, whatever its order: counted once, and its condition rules run."""
+        self._count_record(session, action.record)
+        route = self._prepare(action)
+        if route.conditions:
+            self._run_conditions(route, action, session, out)
+        self._act["record"] = _EMPTY
+        return route
+
+    def _count_record(self, session: SessionState, record: Mapping[str, Any]) -> None:
+        self._state.counters["actions_evaluated"] += 1
+        kind = record.get("kind")
+        if type(kind) is not str:
+            kind = ""
+        self._count_kind(session, kind)
+        if self._telemetry is not None:
+            label = (
+                kind if kind in _KNOWN_KINDS else "other",
+                _label_status(record.get("status")),
+                self._service_label(record.get("service")),
+            )
+            self._tm_actions[label] = self._tm_actions.get(label, 0) + 1
+
+    def _prepare(self, action: Action, route: _Route | None = None) -> _Route:
+        """Fill the shared activation with the record, and find the rules it can fire (unless ``route`` is known)."""
+        record = action.record
+        source = action.source
+        t = action.time_ns
+        meta = self._meta
+        meta["source"] = source
+        meta["synthetic_action_id"] = action.synthetic_action_id
+        meta["line"] = action.line or 0
+        meta["time_ns"] = t or 0
+        act = self._act
+        act["record"] = record
+        act["first"] = _EMPTY
+        if route is not None:
+            return route
+        values = list(map(record.get, self._guarded_fields))
+        try:
+            shape = (source, *map(_class_of, self._value_classes, values, map(type, values)), *record)
+            return self._routes[shape]
+        except KeyError:
+            return self._new_route(shape, record)
+        except TypeError:  # an unhashable value in a guarded field: this record gets its own route
+            return self._route(record)
+
+    def _run_conditions(self, route: _Route, action: Action, session: SessionState, out: list[Violation]) -> None:
+        act = self._act
+        for plan in route.conditions:
+            try:
+                hit = plan.condition_fn(act)  # type: ignore[misc]  # condition plans have one
+            except EvaluationError:
+                self._rule_error(plan, "condition")
+                continue
+            if hit is True:
+                self._emit(self._violation(plan, action, act, session), session, out)
 
     def _count_kind(self, session: SessionState, kind: str) -> None:
         """Count one action of ``kind``; many sessions hold the same small counts, so share the tuples."""

@@ -201,8 +201,9 @@ class EvaluatorWorker:
         self.processed_spans += batch.span_count
         _resolve(batch, Ack(rejected, partial_success_message(result.rejected, batch.decode_problems)))
         if self._hold is not None:
-            self._hold.note(violations)
+            # Held first: condition-rule violations of its own spans come back from this very batch.
             self._hold.add(batch.request, time.monotonic())
+            self._hold.note(violations)
 
 
 def _log_failure(what: str, exc: Exception) -> None:

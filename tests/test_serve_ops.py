@@ -391,9 +391,13 @@ def test_sqlite_state_keeps_held_back_spans_across_a_restart(tmp_path: Path) -> 
         "state": {"backend": "sqlite", "path": str(tmp_path / "state.db")},
         "evaluate": {"allowed_lateness": "3s"},
     })
-    keys = [(f"s-restart-{i}", f"pay-{i}") for i in range(5)]
+    sessions = [f"s-restart-{i}" for i in range(5)]
+    # Per session: a tool call run twice (DS101, a session rule: after the buffer) and an
+    # unkeyed payment (DS002, a condition rule: when the span is accepted).
     message = make_request(*[
-        {"durable.session.id": s, "durable.action.id": a, "durable.action.kind": "payment"} for s, a in keys
+        {"durable.session.id": s, "durable.action.id": action, "durable.action.kind": kind}
+        for s in sessions
+        for action, kind in (("call", "tool_call"), ("call", "tool_call"), ("pay", "payment"))
     ])
     with running(config) as server:
         response = httpx.post(f"http://127.0.0.1:{server.http_port}/v1/traces", content=message.SerializeToString(),
@@ -401,10 +405,16 @@ def test_sqlite_state_keeps_held_back_spans_across_a_restart(tmp_path: Path) -> 
         assert response.status_code == 200
     # Stopped within the allowed lateness: the spans were still held for ordering, in the store.
     assert (tmp_path / "state.db").exists()
-    expected = {("DS002", s, a) for s, a in keys}
-    assert not expected & keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    accepted = {("DS002", s, "pay") for s in sessions}
+    held = {("DS101", s, "call") for s in sessions}
+    found = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    assert accepted <= found
+    assert not held & found
     with running(config):
-        assert wait_for(lambda: expected <= keys_of(read_jsonl(tmp_path / "violations.jsonl")), timeout_s=15)
+        assert wait_for(lambda: held <= keys_of(read_jsonl(tmp_path / "violations.jsonl")), timeout_s=15)
+    # Released after the restart, the payments ran their session rules only: DS002 once each.
+    reported = read_jsonl(tmp_path / "violations.jsonl")
+    assert sorted(d["session_id"] for d in reported if d["rule"] == "DS002") == sessions
 
 
 def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:

@@ -75,8 +75,11 @@ def test_a_dead_replicas_accepted_work_is_adopted(pg_server: str) -> None:
     journal = Journal(dead)
     assert isinstance(_claim(dead, "s1")[0], int)
     engine = Engine(shipped(), EngineOptions(), dead)
-    # Held in r1's reordering buffer (within the allowed lateness), acknowledged, not yet evaluated.
-    engine.submit_many([spans(1.0, "s1", kind="payment", action_id="p1")])
+    # Held in r1's reordering buffer (within the allowed lateness), acknowledged; their condition
+    # rules ran when they were accepted (DS002), the session rules (DS101) wait for the buffer.
+    accepted = engine.submit_many([spans(1.0, "s1", kind="payment", action_id="p1"),
+                                   spans(2.0, "s1", kind="payment", action_id="p1")])
+    assert {v.rule for v in accepted} == {"DS002"}
     outbox = Outbox(dead, ["jsonl"])
     violation = Violation(rule="DS002", name="n", severity="critical", session_id="s1", action_id="x",
                           message="m", violation_id="f" * 32)
@@ -88,15 +91,18 @@ def test_a_dead_replicas_accepted_work_is_adopted(pg_server: str) -> None:
     assert alive.maintain()
     alive.reset()
     assert len(Journal(alive).pending()) == 1
-    # The span r1 held for ordering joins r2's reordering buffer as it was (not as a redelivery).
+    # The spans r1 held for ordering join r2's reordering buffer as they were (not as redeliveries).
     engine_state = alive.load_engine()
     assert isinstance(engine_state, dict)
-    assert [b["action"]["record"]["action_id"] for b in engine_state["buffer"]] == ["p1"]
+    assert [b["action"]["record"]["action_id"] for b in engine_state["buffer"]] == ["p1", "p1"]
     assert [v.violation_id for _, v in Outbox(alive, ["jsonl"]).pending("jsonl")] == ["f" * 32]
     adopted = Engine(shipped(), EngineOptions(), alive)
     assert [s.session_id for s in alive.load_sessions(adopted.schema)] == ["s1"]
-    # Released at the end of the input: the payment r1 acknowledged is evaluated, once.
-    assert ("DS002", "s1", "p1") in fired(adopted.finish())
+    # Released at the end of the input: the payments r1 acknowledged meet the session rules, and
+    # their condition rules, which ran in r1, do not run again.
+    released = fired(adopted.finish())
+    assert ("DS101", "s1", "p1") in released
+    assert ("DS002", "s1", "p1") not in released
     alive.close()
 
 

@@ -95,11 +95,13 @@ class _Held:
 class AnnotatingHold:
     """Holds evaluated requests until their own violations are known, then forwards them annotated.
 
-    The engine orders spans: it evaluates a span once it has waited ``allowed_lateness``
-    (and the next tick has run), so a request's own violations come out of a later
-    batch or tick, not its own. Holding each request for that long before forwarding
-    lets its spans carry them. Used by the evaluator thread only. Bounded: beyond
-    ``max_spans`` held, the oldest request goes on early, without what is not yet known.
+    The engine orders spans: its session rules see a span once it has waited
+    ``allowed_lateness`` (and the next tick has run), so those violations come out of a
+    later batch or tick; only condition rules report from the request's own batch (add
+    the request before noting them). Holding each request for that long before
+    forwarding lets its spans carry them all. Used by the evaluator thread only.
+    Bounded: beyond ``max_spans`` held, the oldest request goes on early, without what
+    is not yet known.
     """
 
     def __init__(self, forwarder: Forwarder, hold_s: float, max_spans: int) -> None:

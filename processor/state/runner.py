@@ -429,9 +429,10 @@ class DurableWorker:
         if self._hold is not None:
             now = time.monotonic()
             for work, violations in zip(chunk, found, strict=True):
-                self._hold.note(violations)
+                # Held first: condition-rule violations of its own spans come back from its own evaluation.
                 if work.request is not None:
                     self._hold.add(work.request, now)
+                self._hold.note(violations)
 
     def _set_aside(self, work: _Work) -> None:
         """Drop a journaled request that cannot be evaluated, so the rest go on; counted and logged."""

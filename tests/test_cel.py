@@ -9,6 +9,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import cel as rust_cel  # the Rust-based binding (common-expression-language)
+import celpy  # cel-python
 import pytest
 
 from processor.errors import EvaluationError as BaseEvaluationError
@@ -1185,7 +1187,6 @@ def _from_celpy(value: Any) -> Any:
     ids=[c[0] for c in CONFORMANCE if c[0] not in CELPY_DEPARTURES],
 )
 def test_agrees_with_cel_python(source: str, activation: dict[str, Any], expected: Any) -> None:
-    celpy = pytest.importorskip("celpy")
     ours = _outcome(source, activation)
     theirs = _celpy_outcome(celpy, source, activation)
     assert (ours is ERROR) == (theirs is ERROR), (ours, theirs)
@@ -1209,7 +1210,6 @@ RUST_BINDING_DEPARTURES = {
     ids=[c[0] for c in CONFORMANCE if c[0] not in RUST_BINDING_DEPARTURES],
 )
 def test_agrees_with_rust_cel_binding(source: str, activation: dict[str, Any], expected: Any) -> None:
-    rust_cel = pytest.importorskip("cel")
     ours = _outcome(source, activation)
     try:
         theirs = _normalize(rust_cel.evaluate(source, activation))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import os
 import random
+import shutil
 import struct
 import sys
+import tempfile
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -268,13 +271,37 @@ def test_missing_file_and_directory_cannot_be_read(tmp_path: Path) -> None:
         read_input(str(tmp_path))
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_file_cannot_be_read(tmp_path: Path) -> None:
-    target = tmp_path / "secret.jsonl"
-    target.write_bytes(b"{}\n")
-    target.chmod(0)
-    with pytest.raises(InputError, match="Permission denied"):
-        read_input(str(target))
+@contextlib.contextmanager
+def _as_unprivileged_user() -> Iterator[None]:
+    """Root reads files whatever their mode: as root, drop the effective uid for the block."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(NOBODY)
+    os.seteuid(NOBODY)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+NOBODY = 65534
+
+
+def test_unreadable_file_cannot_be_read() -> None:
+    # A directory anyone may search (pytest's tmp_path is root's, 0700), holding a file nobody may read.
+    folder = Path(tempfile.mkdtemp(prefix="durable-check-unreadable-"))
+    try:
+        folder.chmod(0o755)
+        target = folder / "secret.jsonl"
+        target.write_bytes(b"{}\n")
+        target.chmod(0)
+        denied = r"secret\.jsonl: cannot open \(Permission denied\)"
+        with _as_unprivileged_user(), pytest.raises(InputError, match=denied):
+            read_input(str(target))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")

@@ -47,7 +47,7 @@ from processor.receive._streams import (
     read_bounded,
     unzstd,
 )
-from processor.records import STDIN_ORIGIN, Action, Malformed
+from processor.records import STDIN_ORIGIN, Action, Malformed, SessionMark
 
 FORMATS: Final = ("actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream")
 DEFAULT_MAX_LINE_BYTES: Final = 16 << 20
@@ -66,7 +66,7 @@ _STREAM_LENGTH_LIMIT: Final = 1 << 30
 _TRACE_KEYS: Final = ("resourceSpans", "resource_spans")
 _OTHER_SIGNAL_KEYS: Final = ("resourceLogs", "resourceMetrics", "resourceProfiles", "resource_logs", "resource_metrics")
 
-Item = Action | Malformed
+Item = Action | Malformed | SessionMark
 # Lines parsed and handed on at a time: big enough that per-batch costs vanish, small
 # enough that a batch's records stay a few megabytes.
 _LINES_PER_BATCH: Final = 4096
@@ -76,12 +76,13 @@ _LINES_PER_BATCH: Final = 4096
 class Batch:
     """Consecutive items of one input, and how many of them are actions."""
 
-    items: list[Item]
+    items: Sequence[Item]
     actions: int
 
     @property
     def malformed(self) -> int:
-        return len(self.items) - self.actions
+        # Session marks (spans naming a session, no action) are neither.
+        return sum(1 for item in self.items if isinstance(item, Malformed))
 
 
 def read_input(
@@ -282,7 +283,7 @@ def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterat
         for block, has_too_long in line_blocks(chunks, max_line):
             for start in range(0, len(block), _LINES_PER_BATCH):
                 part = block[start : start + _LINES_PER_BATCH]
-                items: list[Item] = []
+                items: list[Action | Malformed] = []
                 before = seq
                 if not has_too_long:
                     seq = parse_lines(cast(Sequence[bytes], part), origin, last + 1, seq, items)
@@ -302,7 +303,8 @@ def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterat
 
 def _converted(converter: SpanConverter, traces: Any, origin: str, seq: int, line: int | None) -> Iterator[Item]:
     for item in converter.convert(traces, origin, seq).items:
-        item.line = line
+        if not isinstance(item, SessionMark):
+            item.line = line
         yield item
 
 

@@ -228,10 +228,11 @@ class Malformed:
 
 @dataclass(slots=True)
 class SessionMark:
-    """A span that is no action but names its session (an agent or workflow run).
+    """A span that is no action (an agent or workflow run): its place in the trace and the session it names.
 
     It reaches the engine's identity resolution only, so that the actions of its trace
-    without a session attribute of their own join the session it names.
+    without a session attribute of their own join the session their nearest ancestor
+    names. ``session_id`` is "" when the span names none.
     """
 
     trace_id: str

@@ -411,16 +411,17 @@ class SpanConverter:
     def _mark_session(
         self, span: Any, own: dict[str, Any], found: dict[str, AnyValue], resource: _Resource, out: ConvertResult
     ) -> None:
-        """A span that is no action but names a session: a mark for the actions of its trace."""
+        """A span that is no action (an agent or workflow run): a mark of its place in the trace and the
+        session it names, if any, for the actions of its trace that name none."""
         session, named = self._session(own, found, resource, span)
-        if not named or len(span.trace_id) != 16 or len(span.span_id) != 8:
+        if len(span.trace_id) != 16 or len(span.span_id) != 8:
             return
         time_ns = span.start_time_unix_nano
         mark = SessionMark(
             bytes(span.trace_id).hex(),
             bytes(span.span_id).hex(),
             bytes(span.parent_span_id).hex(),
-            session,
+            session if named else "",
             time_ns if 0 < time_ns <= INT64_MAX else None,
         )
         out.marks.append(mark)

@@ -153,7 +153,7 @@ class IdentityResolver:
                     self._release_expired(time_ns - self._lateness_ns, out)
             if isinstance(item, SessionMark):
                 trace = self._trace(item.trace_id)
-                self._remember(trace, item.span_id, item.parent_span_id, item.session_id)
+                self._remember(trace, item.span_id, item.parent_span_id, item.session_id or None)
                 self._retry(trace, out)
                 self._flush_forgotten(out)
                 continue
@@ -204,8 +204,10 @@ class IdentityResolver:
         if len(traces) >= MAX_TRACES:
             _, forgotten = traces.popitem(last=False)
             self.state.held -= len(forgotten.held)
-            # Released unresolved: a forgotten trace cannot answer any more.
-            self._pending_release.extend(h.action for h in forgotten.held)
+            # Released with what it can tell: a forgotten trace cannot answer any more.
+            for held in forgotten.held:
+                self._resolve(forgotten, held.action, final=True)
+                self._pending_release.append(held.action)
         trace = _Trace()
         traces[trace_id] = trace
         return trace
@@ -226,13 +228,17 @@ class IdentityResolver:
 
     # -- resolution ---------------------------------------------------------------------------
 
-    def _resolve(self, trace: _Trace, action: Action) -> bool:
-        """Fill in what the trace can tell now; True when nothing is missing any more."""
+    def _resolve(self, trace: _Trace, action: Action, final: bool = False) -> bool:
+        """Fill in what the trace can tell now; True when nothing is missing any more.
+
+        ``final``: the action is released whatever is missing; the session falls back to any
+        session the trace named, and what is still unknown stays as the converter made it.
+        """
         links = action.links
         assert links is not None
         complete = True
         if not links.session_named:
-            session = self._session_of(trace, links.parent_span_id)
+            session = self._session_of(trace, links.parent_span_id, final)
             if session is None:
                 complete = False
             else:
@@ -248,8 +254,11 @@ class IdentityResolver:
                 action.links = links._replace(tool_name=None)
         return complete
 
-    def _session_of(self, trace: _Trace, parent: str) -> str | None:
-        """The session the nearest ancestor names, else the first one the trace named."""
+    def _session_of(self, trace: _Trace, parent: str, final: bool) -> str | None:
+        """The session the nearest ancestor names, else the first one the trace named.
+
+        None (wait) while an ancestor has not arrived yet: it may name another session.
+        """
         named = trace.named
         parents = trace.parents
         span = parent
@@ -259,7 +268,12 @@ class IdentityResolver:
             session = named.get(span)
             if session is not None:
                 return session
-            span = parents.get(span, "")
+            grandparent = parents.get(span)
+            if grandparent is None:
+                if not final and len(parents) < MAX_SPANS_PER_TRACE:
+                    return None
+                break
+            span = grandparent
         return trace.first
 
     def _take_call(self, trace: _Trace, links: SpanLinks, time_ns: int | None) -> str | None:
@@ -316,7 +330,10 @@ class IdentityResolver:
                 continue
             keep = [held for held in trace.held if not due(held)]
             if len(keep) != len(trace.held):
-                released.extend(held.action for held in trace.held if due(held))
+                for held in trace.held:
+                    if due(held):
+                        self._resolve(trace, held.action, final=True)
+                        released.append(held.action)
                 trace.held = keep
         self.state.held -= len(released)
         released.sort(key=lambda a: a.seq)
@@ -329,7 +346,10 @@ class IdentityResolver:
             if trace.held and (oldest is None or trace.held[0].action.seq < oldest[0]):
                 oldest = (trace.held[0].action.seq, trace)
         if oldest is not None:
-            out.append(oldest[1].held.pop(0).action)
+            trace = oldest[1]
+            action = trace.held.pop(0).action
+            self._resolve(trace, action, final=True)
+            out.append(action)
             self.state.held -= 1
 
     def _flush_forgotten(self, out: list[Action | Malformed]) -> None:

@@ -92,7 +92,7 @@ def read_input(
     *,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-) -> Iterator[Item]:
+) -> Iterator[Action | Malformed]:
     """Items of ``path`` (``-`` is stdin) in file order.
 
     The input is opened and its format detected before this returns, so an
@@ -104,10 +104,13 @@ def read_input(
     return _each_item(batches)
 
 
-def _each_item(batches: Generator[Batch, None, None]) -> Iterator[Item]:
+def _each_item(batches: Generator[Batch, None, None]) -> Iterator[Action | Malformed]:
     try:
         for batch in batches:
-            yield from batch.items
+            # Session marks link a trace's spans for the engine (read_batches keeps them); an item is a span's outcome.
+            for item in batch.items:
+                if not isinstance(item, SessionMark):
+                    yield item
     finally:
         batches.close()  # closes the file when the reader of items stops early
 

@@ -268,3 +268,19 @@ def test_openllmetry_indexed_completions_count_as_a_recorded_reply(traced: Any) 
     options = ConvertOptions(telemetry_is_log=True)
     actions = [item for item in convert(memory.get_finished_spans(), options) if isinstance(item, Action)]
     assert [("result" in a.record, a.record["kind"]) for a in actions] == [(True, "llm_call"), (False, "llm_call")]
+
+
+def test_a_tool_span_delivered_twice_keeps_its_call_and_leaves_the_next_one(traced: Any) -> None:
+    tracer, memory, clock = traced
+    agent_run(tracer, clock, {"openinference.span.kind": "AGENT", "session.id": "conv-9"}, [
+        ("llm", _llm_offering([("search_orders", "call_a"), ("search_orders", "call_b")])),
+        ("search_orders", _oi_tool("search_orders")),
+        ("search_orders", _oi_tool("search_orders")),
+    ])  # fmt: skip
+    llm, first, second, root = memory.get_finished_spans()
+    # At-least-once delivery: the first tool span comes again before the second.
+    actions = resolved([*convert([llm, first]), *convert([first]), *convert([second, root])])
+    tools = [(a.record["span_id"], a.action_id) for a in actions if a.record["kind"] != "llm_call"]
+    first_id = first.context.span_id.to_bytes(8, "big").hex()
+    second_id = second.context.span_id.to_bytes(8, "big").hex()
+    assert tools == [(first_id, "call_a"), (first_id, "call_a"), (second_id, "call_b")]

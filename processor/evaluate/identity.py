@@ -33,6 +33,9 @@ from processor.records import Action, Malformed, SessionMark, SpanLinks
 
 # Traces remembered (least recently touched forgotten first; their held actions are released).
 MAX_TRACES: Final = 4096
+# A trace holding nothing is forgotten once event time is this far past its latest span
+# (at least): its spans have arrived. It keeps the state a store writes per batch small.
+MIN_TRACE_KEEP_NS: Final = 60 * 1_000_000_000
 # Per trace: spans whose parent or named session is remembered, and LLM spans' offered calls.
 MAX_SPANS_PER_TRACE: Final = 512
 MAX_OFFERS_PER_TRACE: Final = 128
@@ -66,10 +69,15 @@ class _Held:
 
 
 class _Trace:
-    __slots__ = ("first", "held", "named", "offers", "parents")
+    __slots__ = ("first", "held", "last_ns", "linked", "named", "offers", "parents")
 
     def __init__(self) -> None:
+        # Parents of the spans that may be ancestors of others: agent and workflow runs
+        # (session marks) and spans that name a session. Leaf actions are not kept.
         self.parents: dict[str, str] = {}
+        # Tool spans linked to a call id: a span delivered again takes the same one.
+        self.linked: dict[str, str] = {}
+        self.last_ns = _NEVER
         self.named: dict[str, str] = {}
         self.first: str | None = None
         self.offers: dict[str, _Offer] = {}
@@ -94,6 +102,8 @@ class IdentityState:
                         "parents": trace.parents,
                         "named": trace.named,
                         "first": trace.first,
+                        "linked": trace.linked,
+                        "last_ns": trace.last_ns,
                         "offers": [
                             [span, o.parent, o.start_ns, [list(c) for c in o.calls], o.taken]
                             for span, o in trace.offers.items()
@@ -116,6 +126,8 @@ class IdentityState:
             trace.parents = {str(k): str(v) for k, v in body["parents"].items()}
             trace.named = {str(k): str(v) for k, v in body["named"].items()}
             trace.first = body["first"]
+            trace.linked = {str(k): str(v) for k, v in body["linked"].items()}
+            trace.last_ns = int(body["last_ns"])
             for span, parent, start_ns, calls, taken in body["offers"]:
                 trace.offers[str(span)] = _Offer(
                     str(parent), int(start_ns), [(str(n), str(i)) for n, i in calls], [bool(t) for t in taken]
@@ -132,6 +144,7 @@ class IdentityResolver:
     def __init__(self, state: IdentityState, lateness_ns: int) -> None:
         self.state = state
         self._lateness_ns = lateness_ns
+        self._keep_ns = max(2 * lateness_ns, MIN_TRACE_KEEP_NS)
         # Held actions of a trace forgotten to make room, released with the next output.
         self._pending_release: list[Action] = []
 
@@ -151,9 +164,10 @@ class IdentityResolver:
                 state.max_event_ns = time_ns
                 if state.held:
                     self._release_expired(time_ns - self._lateness_ns, out)
+                self._forget_quiet(time_ns - self._keep_ns)
             if isinstance(item, SessionMark):
-                trace = self._trace(item.trace_id)
-                self._remember(trace, item.span_id, item.parent_span_id, item.session_id or None)
+                trace = self._trace(item.trace_id, time_ns)
+                self._remember(trace, item.span_id, item.parent_span_id, item.session_id or None, ancestor=True)
                 self._retry(trace, out)
                 self._flush_forgotten(out)
                 continue
@@ -161,12 +175,10 @@ class IdentityResolver:
             if links is None or item.delivery_key is None:
                 out.append(item)
                 continue
-            trace = self._trace(item.delivery_key[0])
+            trace = self._trace(item.delivery_key[0], time_ns)
             span_id = item.delivery_key[1]
             if links.session_named:
-                self._remember(trace, span_id, links.parent_span_id, item.session_id)
-            else:
-                self._remember(trace, span_id, links.parent_span_id, None)
+                self._remember(trace, span_id, links.parent_span_id, item.session_id, ancestor=True)
             if links.offered:
                 self._offer(trace, span_id, links, time_ns)
             if self._resolve(trace, item):
@@ -195,11 +207,13 @@ class IdentityResolver:
 
     # -- traces ---------------------------------------------------------------------------
 
-    def _trace(self, trace_id: str) -> _Trace:
+    def _trace(self, trace_id: str, time_ns: int | None) -> _Trace:
         traces = self.state.traces
         trace = traces.get(trace_id)
         if trace is not None:
             traces.move_to_end(trace_id)
+            if time_ns is not None and time_ns > trace.last_ns:
+                trace.last_ns = time_ns
             return trace
         if len(traces) >= MAX_TRACES:
             _, forgotten = traces.popitem(last=False)
@@ -209,11 +223,22 @@ class IdentityResolver:
                 self._resolve(forgotten, held.action, final=True)
                 self._pending_release.append(held.action)
         trace = _Trace()
+        if time_ns is not None:
+            trace.last_ns = time_ns
         traces[trace_id] = trace
         return trace
 
-    def _remember(self, trace: _Trace, span_id: str, parent: str, session: str | None) -> None:
-        if len(trace.parents) < MAX_SPANS_PER_TRACE:
+    def _forget_quiet(self, before_ns: int) -> None:
+        """Forget the least recently touched traces that hold nothing and went quiet before ``before_ns``."""
+        traces = self.state.traces
+        while traces:
+            trace_id, trace = next(iter(traces.items()))
+            if trace.held or trace.last_ns >= before_ns:
+                return
+            del traces[trace_id]
+
+    def _remember(self, trace: _Trace, span_id: str, parent: str, session: str | None, *, ancestor: bool) -> None:
+        if ancestor and len(trace.parents) < MAX_SPANS_PER_TRACE:
             trace.parents[span_id] = parent
             if session:
                 trace.named[span_id] = session
@@ -245,7 +270,7 @@ class IdentityResolver:
                 action.record["session_id"] = session
                 action.links = links = links._replace(session_named=True)
         if links.tool_name is not None:
-            call_id = self._take_call(trace, links, action.time_ns)
+            call_id = self._take_call(trace, links, action)
             if call_id is None:
                 complete = False
             else:
@@ -276,7 +301,12 @@ class IdentityResolver:
             span = grandparent
         return trace.first
 
-    def _take_call(self, trace: _Trace, links: SpanLinks, time_ns: int | None) -> str | None:
+    def _take_call(self, trace: _Trace, links: SpanLinks, action: Action) -> str | None:
+        span_id = action.delivery_key[1] if action.delivery_key is not None else ""
+        earlier = trace.linked.get(span_id)
+        if earlier is not None:
+            return earlier  # the same span delivered again
+        time_ns = action.time_ns
         name = links.tool_name
         parent = links.parent_span_id
         best: tuple[int, int] | None = None
@@ -298,7 +328,10 @@ class IdentityResolver:
             return None
         offer, index = chosen
         offer.taken[index] = True
-        return offer.calls[index][1]
+        call_id = offer.calls[index][1]
+        if len(trace.linked) < MAX_SPANS_PER_TRACE:
+            trace.linked[span_id] = call_id
+        return call_id
 
     # -- holding ---------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ store persists, so serve resumes after a crash with the same traces and held act
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
@@ -32,7 +33,9 @@ from typing import Any, Final
 from processor.records import Action, Malformed, SessionMark, SpanLinks
 
 # Traces remembered (least recently touched forgotten first; their held actions are released).
-MAX_TRACES: Final = 4096
+MAX_TRACES: Final = 2048
+# How many of the least recently touched traces are looked at for one that holds nothing.
+_EVICTION_SCAN: Final = 256
 # A trace holding nothing is forgotten once event time is this far past its latest span
 # (at least): its spans have arrived. It keeps the state a store writes per batch small.
 MIN_TRACE_KEEP_NS: Final = 60 * 1_000_000_000
@@ -69,7 +72,7 @@ class _Held:
 
 
 class _Trace:
-    __slots__ = ("first", "held", "last_ns", "linked", "named", "offers", "parents")
+    __slots__ = ("first", "held", "last_ns", "linked", "named", "offers", "parents", "plain")
 
     def __init__(self) -> None:
         # Parents of the spans that may be ancestors of others: agent and workflow runs
@@ -82,6 +85,25 @@ class _Trace:
         self.first: str | None = None
         self.offers: dict[str, _Offer] = {}
         self.held: list[_Held] = []
+        # Its plain form as last written, None once changed: a store writes the whole state
+        # every batch, and only the traces a batch touched are converted again.
+        self.plain: dict[str, Any] | None = None
+
+    def to_plain(self) -> dict[str, Any]:
+        if self.plain is None:
+            self.plain = {
+                "parents": dict(self.parents),
+                "named": dict(self.named),
+                "first": self.first,
+                "linked": dict(self.linked),
+                "last_ns": self.last_ns,
+                "offers": [
+                    [span, o.parent, o.start_ns, [list(c) for c in o.calls], list(o.taken)]
+                    for span, o in self.offers.items()
+                ],
+                "held": [[_action_to_plain(h.action), h.received_ns] for h in self.held],
+            }
+        return self.plain
 
 
 class IdentityState:
@@ -95,24 +117,7 @@ class IdentityState:
     def to_plain(self) -> dict[str, Any]:
         return {
             "max_event_ns": self.max_event_ns,
-            "traces": [
-                [
-                    trace_id,
-                    {
-                        "parents": trace.parents,
-                        "named": trace.named,
-                        "first": trace.first,
-                        "linked": trace.linked,
-                        "last_ns": trace.last_ns,
-                        "offers": [
-                            [span, o.parent, o.start_ns, [list(c) for c in o.calls], o.taken]
-                            for span, o in trace.offers.items()
-                        ],
-                        "held": [[_action_to_plain(h.action), h.received_ns] for h in trace.held],
-                    },
-                ]
-                for trace_id, trace in self.traces.items()
-            ],
+            "traces": [[trace_id, trace.to_plain()] for trace_id, trace in self.traces.items()],
         }
 
     @classmethod
@@ -212,11 +217,17 @@ class IdentityResolver:
         trace = traces.get(trace_id)
         if trace is not None:
             traces.move_to_end(trace_id)
+            trace.plain = None  # whatever this item does to it
             if time_ns is not None and time_ns > trace.last_ns:
                 trace.last_ns = time_ns
             return trace
         if len(traces) >= MAX_TRACES:
-            _, forgotten = traces.popitem(last=False)
+            # A trace still holding spans waits for its root: forget one that holds nothing first.
+            victim = next(
+                (tid for tid, t in itertools.islice(traces.items(), _EVICTION_SCAN) if not t.held),
+                next(iter(traces)),
+            )
+            forgotten = traces.pop(victim)
             self.state.held -= len(forgotten.held)
             # Released with what it can tell: a forgotten trace cannot answer any more.
             for held in forgotten.held:
@@ -363,6 +374,7 @@ class IdentityResolver:
                 continue
             keep = [held for held in trace.held if not due(held)]
             if len(keep) != len(trace.held):
+                trace.plain = None
                 for held in trace.held:
                     if due(held):
                         self._resolve(trace, held.action, final=True)
@@ -380,6 +392,7 @@ class IdentityResolver:
                 oldest = (trace.held[0].action.seq, trace)
         if oldest is not None:
             trace = oldest[1]
+            trace.plain = None
             action = trace.held.pop(0).action
             self._resolve(trace, action, final=True)
             out.append(action)

@@ -30,13 +30,16 @@ MAX_ID_CHARS: Final = 256
 def offered_tool_calls(attributes: Any, mapped: bool) -> tuple[tuple[str, str], ...]:
     """(tool name, call id) of each tool call an LLM span's output asks for, in message and call order."""
     calls: dict[tuple[int, int], dict[str, str]] = {}
-    items = attributes.items() if mapped else ((kv.key, kv.value) for kv in attributes)
-    for key, value in items:
+    # A map yields its keys; a value is fetched only for a key that matches.
+    keys = attributes if mapped else (kv.key for kv in attributes)
+    values = None if mapped else {kv.key: kv.value for kv in attributes if kv.key.startswith(OI_OUTPUT_MESSAGES_PREFIX)}
+    for key in keys:
         if not key.startswith(OI_OUTPUT_MESSAGES_PREFIX):
             continue
         match = _CALL_KEY.fullmatch(key)
         if match is None:
             continue
+        value = attributes[key] if values is None else values[key]
         where = (int(match.group(1)), int(match.group(2)))
         if where not in calls and len(calls) >= MAX_OFFERED:
             continue

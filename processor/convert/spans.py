@@ -129,6 +129,7 @@ class SpanConverter:
         self._output_prefixes = tuple(output_prefixes) if self.options.telemetry_is_log else ()
         self._scan_output_prefix = bool(self._output_prefixes)
         # An LLM span's output tool calls are read for linking tool spans to their call ids.
+        self._link_tools = self.options.openinference
         self._read_prefixes = (OI_OUTPUT_MESSAGES_PREFIX,) if self.options.openinference else ()
         # Spans of one request mostly share their second: reuse its formatted prefix.
         self._last_second: tuple[int, str] = (-1, "")
@@ -325,13 +326,14 @@ class SpanConverter:
             ):
                 verdict = Verdict(verdict.kind, verdict.tool_name, True)
             action_id = _first_text(own, found, self._action_id_keys)
-            links = self._links(
-                span, mapped=mapped, found=found, verdict=verdict, parent=parent, named=named, action_id=action_id
-            )
-            if links.tool_name is not None and (linked := lang_chain_call_id(found.get(OI_OUTPUT_VALUE))):
-                # LangChain's tool output names the call it answers.
-                action_id = linked
-                links = links._replace(tool_name=None)
+            if verdict is not None and self._link_tools and OI_SPAN_KIND in found:
+                links = self._links(span, mapped, verdict, parent, named, action_id)
+                if links.tool_name is not None and (linked := lang_chain_call_id(found.get(OI_OUTPUT_VALUE))):
+                    # LangChain's tool output names the call it answers.
+                    action_id = linked
+                    links = links._replace(tool_name=None)
+            else:
+                links = SpanLinks(parent, named)
             default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
             item = self._build(
                 span,
@@ -386,20 +388,11 @@ class SpanConverter:
             appended = True
         return appended
 
-    def _links(
-        self,
-        span: Any,
-        *,
-        mapped: bool,
-        found: dict[str, AnyValue],
-        verdict: Verdict | None,
-        parent: str,
-        named: bool,
-        action_id: str | None,
+    @staticmethod
+    def _links(  # noqa: PLR0917 - called once, on OpenInference spans only
+        span: Any, mapped: bool, verdict: Verdict, parent: str, named: bool, action_id: str | None
     ) -> SpanLinks:
-        """Where the span sits among its trace's spans, for the identity resolution at ingest."""
-        if verdict is None or not self.options.openinference or OI_SPAN_KIND not in found:
-            return SpanLinks(parent, named)
+        """An OpenInference span's tool-call links, for the identity resolution at ingest."""
         if verdict.kind == "tool_call" and not action_id and verdict.tool_name:
             return SpanLinks(parent, named, tool_name=verdict.tool_name)
         if verdict.kind == "llm_call":

@@ -28,7 +28,7 @@ from opentelemetry.trace import Tracer
 from processor import cli
 from tests._spans import otlp_json_from_request
 from tests.fake_openai import FakeOpenAI, ToolCall, fake_openai
-from tests.serve_support import keys_of, read_jsonl, running, serve_config
+from tests.serve_support import keys_of, read_jsonl, running, serve_config, wait_for
 
 TOOLS = [
     {
@@ -57,11 +57,14 @@ class DumpExporter(SpanExporter):
 
 @contextmanager
 def instrumented(
-    tmp_path: Path, instrumentor: BaseInstrumentor, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    instrumentor: BaseInstrumentor,
+    monkeypatch: pytest.MonkeyPatch,
+    extra: dict[str, Any] | None = None,
 ) -> Iterator[tuple[TracerProvider, FakeOpenAI]]:
     """A serve on loopback, a fake OpenAI server, and an instrumented provider exporting to both serve and a dump."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-fake")
-    config = serve_config(tmp_path)
+    config = serve_config(tmp_path, extra)
     with running(config) as server, fake_openai(CALLS, answer="refunded") as model:
         provider = TracerProvider(resource=Resource.create({"service.name": "shop-agent"}))
         exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces")
@@ -109,28 +112,34 @@ def agent_turn(client: openai.OpenAI, prompt: str, run_tool: Callable[[Any], str
 # -- openai-v2 (OpenTelemetry contrib) with opentelemetry-util-genai ---------------------------
 
 
+def v2_conversation(provider: TracerProvider, model: FakeOpenAI) -> None:
+    """Two agent runs of one conversation through util-genai's handler: two traces."""
+    from opentelemetry.util.genai.handler import TelemetryHandler
+
+    handler = TelemetryHandler(tracer_provider=provider)
+    client = openai.OpenAI(base_url=model.base_url)
+
+    def run_tool(call: Any) -> str:
+        with handler.tool(call.function.name, tool_call_id=call.id):
+            return "refunded"
+
+    # util-genai puts the conversation id on the invoke_agent span only.
+    for prompt in ("refund order 42", "and tell me when it is done"):
+        with handler.invoke_local_agent("openai", request_model="gpt-fake") as agent:
+            agent.agent_name = "refunds"
+            agent.conversation_id = "conv-v2"
+            agent_turn(client, prompt, run_tool)
+
+
 def test_openai_v2_conversation_over_two_traces_is_one_session(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
-    from opentelemetry.util.genai.handler import TelemetryHandler
 
     monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", "gen_ai_latest_experimental")
     monkeypatch.setenv("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "span_only")
     with instrumented(tmp_path, OpenAIInstrumentor(), monkeypatch) as (provider, model):
-        handler = TelemetryHandler(tracer_provider=provider)
-        client = openai.OpenAI(base_url=model.base_url)
-
-        def run_tool(call: Any) -> str:
-            with handler.tool(call.function.name, tool_call_id=call.id):
-                return "refunded"
-
-        # Two agent runs, two traces; util-genai puts the conversation id on invoke_agent only.
-        for prompt in ("refund order 42", "and tell me when it is done"):
-            with handler.invoke_local_agent("openai", request_model="gpt-fake") as agent:
-                agent.agent_name = "refunds"
-                agent.conversation_id = "conv-v2"
-                agent_turn(client, prompt, run_tool)
+        v2_conversation(provider, model)
     report = same_verdicts(tmp_path, capsys)
 
     assert list(kinds_by_session(report)) == ["conv-v2"]
@@ -138,6 +147,21 @@ def test_openai_v2_conversation_over_two_traces_is_one_session(
     assert {v["session_id"] for v in report["violations"]} == {"conv-v2"}
     # The tool spans carry the model's own call id.
     assert {v["action_id"] for v in report["violations"] if v["kind"] == "payment"} == {"call_refund_1"}
+
+
+def test_openai_v2_on_the_durable_store_while_serving_finds_what_replay_finds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite state: nothing is evaluated at shutdown, so the verdicts must come out while serving."""
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
+
+    extra = {"state": {"backend": "sqlite"}, "evaluate": {"allowed_lateness": "1s"}}
+    with instrumented(tmp_path, OpenAIInstrumentor(), monkeypatch, extra) as (provider, model):
+        v2_conversation(provider, model)
+        provider.force_flush()
+        expected = keys_of(replay_report(tmp_path, capsys)["violations"])
+        assert expected and {session for _, session, _ in expected} == {"conv-v2"}
+        assert wait_for(lambda: keys_of(read_jsonl(tmp_path / "violations.jsonl")) == expected, timeout_s=30.0)
 
 
 # -- OpenInference openai --------------------------------------------------------------------

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from processor.records import Action, Malformed
+from processor.records import Action, Malformed, SessionMark
 from processor.violations import Violation
 
 if TYPE_CHECKING:
@@ -40,14 +40,14 @@ class Pipeline:
         self.engine_factory = engine_factory
         self._actions_exporters = [e for e in self.exporters if getattr(e, "wants_actions", False)]
 
-    def process(self, items: Iterable[Action | Malformed]) -> list[Violation]:
+    def process(self, items: Iterable[Action | Malformed | SessionMark]) -> list[Violation]:
         """Evaluate a batch (one OTLP request, or a chunk of a file) and export what it found."""
         violations = self.evaluate(items)
         self._export(violations)
         self.hand_resolutions()
         return violations
 
-    def evaluate(self, items: Iterable[Action | Malformed]) -> list[Violation]:
+    def evaluate(self, items: Iterable[Action | Malformed | SessionMark]) -> list[Violation]:
         """Evaluate a batch and return what it found, without exporting it (actions still go to their exporters)."""
         if self._actions_exporters:
             items = list(items)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 Record = dict[str, Any]
 
@@ -155,6 +155,23 @@ def validate_record(record: Record) -> list[str]:
     return problems
 
 
+class SpanLinks(NamedTuple):
+    """What a span says about its place in the trace, for linking it to other spans.
+
+    The session and tool-call identity resolution (processor.evaluate.identity) reads it
+    at ingest; the record itself never holds it.
+    """
+
+    # The parent span id (hex), "" for a root span.
+    parent_span_id: str
+    # False when no attribute named the session and the trace id stood in for it.
+    session_named: bool
+    # A tool span whose call id had to be made up: its tool name (the id may come from the LLM span).
+    tool_name: str | None = None
+    # An LLM span's output tool calls, in order: (tool name, call id).
+    offered: tuple[tuple[str, str], ...] = ()
+
+
 SourceKind = Literal["log", "span"]
 # The origin of items read from standard input (its path on the command line is "-").
 STDIN_ORIGIN: Final = "<stdin>"
@@ -182,6 +199,8 @@ class Action:
     delivery_key: tuple[str, str, int] | None = None
     # True when the action id was made up (from a span id): it cannot be stable across a replay.
     synthetic_action_id: bool = False
+    # Spans only: parent, whether a session was named, tool-call links (see SpanLinks).
+    links: SpanLinks | None = None
 
     @property
     def session_id(self) -> str:
@@ -205,3 +224,19 @@ class Malformed:
     span_id: str = ""
     source: SourceKind = "log"
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SessionMark:
+    """A span that is no action (an agent or workflow run): its place in the trace and the session it names.
+
+    It reaches the engine's identity resolution only, so that the actions of its trace
+    without a session attribute of their own join the session their nearest ancestor
+    names. ``session_id`` is "" when the span names none.
+    """
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    session_id: str
+    time_ns: int | None = None

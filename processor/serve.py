@@ -46,7 +46,7 @@ from processor.receive.otlp_common import partial_success_message, rejected_span
 from processor.receive.otlp_grpc import OTLPGrpcReceiver
 from processor.receive.otlp_http import build_app
 from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
-from processor.records import Action, Malformed
+from processor.records import Action, Malformed, SessionMark
 from processor.state.base import StateStore
 from processor.state.runner import DurableOptions, DurableWorker
 from processor.state.sqlstore import SqlStateStore
@@ -181,7 +181,10 @@ class EvaluatorWorker:
             undecoded = [
                 Malformed(message=problem, origin=batch.origin, source="span") for problem in batch.decode_problems
             ]
-            items: list[Action | Malformed] = [*result.actions, *result.rejected, *undecoded]
+            # Marks first: the actions of their trace that name no session join the session they name.
+            items: list[Action | Malformed | SessionMark] = [
+                *result.marks, *result.actions, *result.rejected, *undecoded
+            ]
             violations = self._pipeline.process(items) if items else []
         except StateError as exc:
             logger.error("the state store failed; the sender is asked to retry: %s", exc)

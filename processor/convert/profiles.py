@@ -114,7 +114,10 @@ TL_SPAN_KIND: Final = "traceloop.span.kind"
 TL_ENTITY_NAME: Final = "traceloop.entity.name"
 TL_ENTITY_OUTPUT: Final = "traceloop.entity.output"
 TL_SESSION: Final = "traceloop.association.properties.session_id"
+# Versions before the GenAI names; current ones say gen_ai.operation.name (read as GenAI).
 TL_REQUEST_TYPE: Final = "llm.request.type"
+# Older OpenLLMetry flattens replies into indexed keys (gen_ai.completion.0.content, ...).
+TL_COMPLETION_PREFIX: Final = "gen_ai.completion."
 
 CONTAINER: Final = "container"
 
@@ -154,7 +157,9 @@ TRACELOOP_KINDS: Final[dict[str, str]] = {
 TRACELOOP_REQUEST_TYPES: Final[dict[str, str]] = {
     "chat": "llm_call",
     "completion": "llm_call",
+    "text_completion": "llm_call",
     "embedding": "external_read",
+    "embeddings": "external_read",
     "rerank": "external_read",
 }
 
@@ -290,9 +295,14 @@ def openllmetry_verdict(found: Found, telemetry_is_log: bool) -> Verdict | None:
             return Verdict(kind, text(entity) if entity is not None else None, TL_ENTITY_OUTPUT in found)
         if kind is not None:
             return _plain(kind)
+    # Current versions no longer set llm.request.type: their model calls carry the GenAI names
+    # (gen_ai.operation.name, gen_ai.output.messages) and the GenAI profile reads them.
     request_type = found.get(TL_REQUEST_TYPE)
     if request_type is not None:
         kind = TRACELOOP_REQUEST_TYPES.get((text(request_type) or "").lower())
+        if kind == "llm_call":
+            # The flattened gen_ai.completion.N.* keys are found by the converter's prefix scan.
+            return _plain(kind)
         if kind is not None:
             return _plain(kind)
     return None

@@ -23,6 +23,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from processor.convert.classify import ToolClassifier
+from processor.convert.links import lang_chain_call_id, offered_tool_calls
 from processor.convert.options import ConvertOptions
 from processor.convert.profiles import (
     CONTAINER,
@@ -33,11 +34,14 @@ from processor.convert.profiles import (
     HOST_NAME,
     IDENTITY_FIELDS,
     OI_OUTPUT_MESSAGES_PREFIX,
+    OI_OUTPUT_VALUE,
+    OI_SPAN_KIND,
     PROBE_FIELDS,
     PROCESS_PID,
     RESOURCE_KEYS,
     SERVICE_INSTANCE_ID,
     SERVICE_NAME,
+    TL_COMPLETION_PREFIX,
     TYPE_WORDS,
     AnyValue,
     Verdict,
@@ -48,7 +52,7 @@ from processor.convert.profiles import (
 )
 from processor.convert.timefmt import format_rfc3339
 from processor.convert.wire import MappedTracesData
-from processor.records import INT64_MAX, Action, Malformed, Record
+from processor.records import INT64_MAX, Action, Malformed, Record, SessionMark, SpanLinks
 
 _STATUS_CODE_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 _ZERO_TRACE_ID: Final = bytes(16)
@@ -73,10 +77,12 @@ class ConvertResult:
     rejected: list[Malformed] = field(default_factory=list)
     spans_total: int = 0
     spans_not_actions: int = 0
-    # Actions and rejected spans together, in span order (what a file reader yields).
-    items: list[Action | Malformed] = field(default_factory=list)
+    # Actions, rejected spans and session marks together, in span order (what a file reader yields).
+    items: list[Action | Malformed | SessionMark] = field(default_factory=list)
     # ResourceSpans in the request (a message holding none holds nothing of OTLP).
     resource_spans: int = 0
+    # Spans that are no action but name their session (for the actions of their trace).
+    marks: list[SessionMark] = field(default_factory=list)
 
 
 class _NeedsOfficialReading(Exception):
@@ -94,6 +100,8 @@ class _Resource:
     problems: list[str]
     # Profile session keys (session.id, ...) set on the resource rather than the span.
     found: dict[str, AnyValue]
+    # Whether some attribute of the resource names a session.
+    names_session: bool = False
 
 
 class SpanConverter:
@@ -112,7 +120,17 @@ class SpanConverter:
         self._verdicts = tuple(profile.verdict for profile in self._profiles)
         self._session_keys = tuple(key for profile in self._profiles for key in profile.session_keys)
         self._action_id_keys = tuple(key for profile in self._profiles for key in profile.action_id_keys)
-        self._scan_output_prefix = self.options.telemetry_is_log and self.options.openinference
+        # Indexed output keys (llm.output_messages.N.*, gen_ai.completion.N.*) say a reply was recorded.
+        output_prefixes = []
+        if self.options.openinference:
+            output_prefixes.append(OI_OUTPUT_MESSAGES_PREFIX)
+        if self.options.openllmetry:
+            output_prefixes.append(TL_COMPLETION_PREFIX)
+        self._output_prefixes = tuple(output_prefixes) if self.options.telemetry_is_log else ()
+        self._scan_output_prefix = bool(self._output_prefixes)
+        # An LLM span's output tool calls are read for linking tool spans to their call ids.
+        self._link_tools = self.options.openinference
+        self._read_prefixes = (OI_OUTPUT_MESSAGES_PREFIX,) if self.options.openinference else ()
         # Spans of one request mostly share their second: reuse its formatted prefix.
         self._last_second: tuple[int, str] = (-1, "")
         self._orders: dict[tuple[str, ...], tuple[str, ...]] = {}
@@ -121,7 +139,7 @@ class SpanConverter:
 
     def reads_attribute(self, key: str) -> bool:
         """Whether conversion ever looks at an attribute of this key (decoders may skip the rest)."""
-        return key in self._resource_wanted or (self._scan_output_prefix and key.startswith(OI_OUTPUT_MESSAGES_PREFIX))
+        return key in self._resource_wanted or key.startswith(self._output_prefixes + self._read_prefixes)
 
     def convert(self, request: Any, origin: str = "", seq_start: int = 0) -> ConvertResult:
         """``request``: an ExportTraceServiceRequest or a TracesData (both hold resource_spans)."""
@@ -220,7 +238,8 @@ class SpanConverter:
             host = _text_of(found, HOST_NAME)
             pid = _text_of(found, PROCESS_PID)
             instance = f"{host}:{pid}" if host and pid else host
-        return _Resource(service or None, instance or None, defaults, list(problems.values()), found)
+        names = bool(defaults.get("session_id")) or any(key in found for key in self._session_keys)
+        return _Resource(service or None, instance or None, defaults, list(problems.values()), found, names)
 
     # -- spans ----------------------------------------------------------------------------
 
@@ -290,20 +309,31 @@ class SpanConverter:
 
         has_events = events and self.options.durable and len(span.events) > 0
         if not (marked or verdict is not None or has_events):
+            if found or resource.names_session:
+                self._mark_session(span, own, found, resource, out)
             return False
 
         appended = False
-        session = self._session(own, found, resource, span)
+        session, named = self._session(own, found, resource, span)
+        parent = bytes(span.parent_span_id).hex()
         if marked or verdict is not None:
             if (
                 verdict is not None
                 and verdict.kind == "llm_call"
                 and not verdict.result_recorded
                 and self._scan_output_prefix
-                and _has_key_prefix(span.attributes, mapped, OI_OUTPUT_MESSAGES_PREFIX)
+                and _has_key_prefix(span.attributes, mapped, self._output_prefixes)
             ):
                 verdict = Verdict(verdict.kind, verdict.tool_name, True)
             action_id = _first_text(own, found, self._action_id_keys)
+            if verdict is not None and self._link_tools and OI_SPAN_KIND in found:
+                links = self._links(span, mapped, verdict, parent, named, action_id)
+                if links.tool_name is not None and (linked := lang_chain_call_id(found.get(OI_OUTPUT_VALUE))):
+                    # LangChain's tool output names the call it answers.
+                    action_id = linked
+                    links = links._replace(tool_name=None)
+            else:
+                links = SpanLinks(parent, named)
             default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
             item = self._build(
                 span,
@@ -319,6 +349,8 @@ class SpanConverter:
                 index=0,
                 seq=seq_start + len(out.actions),
             )
+            if isinstance(item, Action):
+                item.links = links
             _append(out, item)
             appended = True
 
@@ -350,26 +382,64 @@ class SpanConverter:
                 index=index,
                 seq=seq_start + len(out.actions),
             )
+            if isinstance(item, Action):
+                item.links = SpanLinks(parent, named or "session_id" in event_own)
             _append(out, item)
             appended = True
         return appended
 
-    def _session(self, own: dict[str, Any], found: dict[str, AnyValue], resource: _Resource, span: Any) -> str:
+    @staticmethod
+    def _links(  # noqa: PLR0917 - called once, on OpenInference spans only
+        span: Any, mapped: bool, verdict: Verdict, parent: str, named: bool, action_id: str | None
+    ) -> SpanLinks:
+        """An OpenInference span's tool-call links, for the identity resolution at ingest."""
+        if verdict.kind == "tool_call" and not action_id and verdict.tool_name:
+            return SpanLinks(parent, named, tool_name=verdict.tool_name)
+        if verdict.kind == "llm_call":
+            offered = offered_tool_calls(span.attributes, mapped)
+            if offered:
+                return SpanLinks(parent, named, offered=offered)
+        return SpanLinks(parent, named)
+
+    def _mark_session(
+        self, span: Any, own: dict[str, Any], found: dict[str, AnyValue], resource: _Resource, out: ConvertResult
+    ) -> None:
+        """A span that is no action (an agent or workflow run): a mark of its place in the trace and the
+        session it names, if any, for the actions of its trace that name none."""
+        session, named = self._session(own, found, resource, span)
+        if len(span.trace_id) != 16 or len(span.span_id) != 8:
+            return
+        time_ns = span.start_time_unix_nano
+        mark = SessionMark(
+            bytes(span.trace_id).hex(),
+            bytes(span.span_id).hex(),
+            bytes(span.parent_span_id).hex(),
+            session if named else "",
+            time_ns if 0 < time_ns <= INT64_MAX else None,
+        )
+        out.marks.append(mark)
+        out.items.append(mark)
+
+    def _session(
+        self, own: dict[str, Any], found: dict[str, AnyValue], resource: _Resource, span: Any
+    ) -> tuple[str, bool]:
+        """(session, whether an attribute named it)."""
         session = own.get("session_id")
         if session:
-            return str(session)
+            return str(session), True
         session = resource.defaults.get("session_id")
         if session:
-            return str(session)
+            return str(session), True
         for key in self._session_keys:
             for source in (found, resource.found):
                 value = source.get(key)
                 if value is not None:
                     candidate = text(value)
                     if candidate:
-                        return candidate
-        # No session attribute anywhere: the trace is the session.
-        return bytes(span.trace_id).hex()
+                        return candidate, True
+        # No session attribute on the span: the trace stands in until the identity
+        # resolution at ingest finds the session another span of the trace names.
+        return bytes(span.trace_id).hex(), False
 
     def _build(
         self,
@@ -491,7 +561,7 @@ def _may_hold_durable_events(data: bytes) -> bool:
     return _DURABLE_EVENT_NAME_ALONE.search(data) is not None
 
 
-def _has_key_prefix(attributes: Any, mapped: bool, prefix: str) -> bool:
+def _has_key_prefix(attributes: Any, mapped: bool, prefix: tuple[str, ...]) -> bool:
     """Whether some attribute key starts with ``prefix`` (a map iterates its keys; a list its KeyValues)."""
     if mapped:
         return any(key.startswith(prefix) for key in attributes)

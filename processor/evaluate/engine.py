@@ -92,8 +92,9 @@ from typing import Any, Final, Literal, NamedTuple, Protocol, cast
 
 from processor.errors import EvaluationError
 from processor.evaluate.cel import CompiledExpression
+from processor.evaluate.identity import IdentityResolver, IdentityState
 from processor.evaluate.model import Rule, RuleSet
-from processor.records import FIELD_TYPES, NONDETERMINISTIC_KINDS, SIDE_EFFECT_KINDS, Action, Malformed
+from processor.records import FIELD_TYPES, NONDETERMINISTIC_KINDS, SIDE_EFFECT_KINDS, Action, Malformed, SessionMark
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
 from processor.state.memory import MemoryStore
 from processor.state.session import (
@@ -392,6 +393,8 @@ class EngineState(EngineStateLike):
         self.buffer: list[_Buffered] = []
         # Serve: (received wall time, event time) of buffered spans in arrival order.
         self.received: deque[tuple[int, int]] = deque()
+        # Sessions and tool-call ids resolved across a trace's spans, and the spans held for them.
+        self.identity = IdentityState()
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -410,6 +413,7 @@ class EngineState(EngineStateLike):
                 }
                 for b in sorted(self.buffer)
             ],
+            "identity": self.identity.to_plain(),
         }
 
     @classmethod
@@ -433,6 +437,7 @@ class EngineState(EngineStateLike):
             state.buffer.append(item)
             state.received.append((item.received_ns, item.time_ns))
         heapq.heapify(state.buffer)
+        state.identity = IdentityState.from_plain(plain.get("identity"))
         return state
 
 
@@ -573,6 +578,7 @@ class Engine:
         self._resolutions: list[str] = []
 
         self._state = self._restore()
+        self._identity = IdentityResolver(self._state.identity, self._lateness_ns)
 
     # -- restore ----------------------------------------------------------------
 
@@ -629,12 +635,13 @@ class Engine:
         """One item; returns the violations that became final (buffered spans may wait for the watermark)."""
         return self.submit_many((item,))
 
-    def submit_many(self, items: Iterable[Action | Malformed]) -> list[Violation]:
+    def submit_many(self, items: Iterable[Action | Malformed | SessionMark]) -> list[Violation]:
         """The same as ``submit`` for each item, in order, with the batch work (commit, telemetry) done once."""
         out: list[Violation] = []
         if self._serve:
             self._now_ns = max(self._now_ns, self._clock())
-        for item in items:
+        # Sessions and tool-call ids named elsewhere in the trace first (processor.evaluate.identity).
+        for item in self._identity.admit(items, self._now_ns):
             if isinstance(item, Action):
                 self._submit_action(item, out)
             else:
@@ -650,6 +657,8 @@ class Engine:
         out: list[Violation] = []
         if self._serve:
             self._now_ns = max(self._now_ns, now_ns)
+            for action in self._identity.release_due(self._now_ns):
+                self._submit_action(action, out)
             self._advance_wall(out)
         self._end_batch()
         return out
@@ -664,6 +673,8 @@ class Engine:
         state = self._state
         if self._serve:
             self._now_ns = max(self._now_ns, self._clock())
+        for action in self._identity.release_all():
+            self._submit_action(action, out)
         while state.buffer:
             self._release_one(out)
         state.received.clear()

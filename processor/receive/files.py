@@ -47,7 +47,7 @@ from processor.receive._streams import (
     read_bounded,
     unzstd,
 )
-from processor.records import STDIN_ORIGIN, Action, Malformed
+from processor.records import STDIN_ORIGIN, Action, Malformed, SessionMark
 
 FORMATS: Final = ("actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream")
 DEFAULT_MAX_LINE_BYTES: Final = 16 << 20
@@ -66,7 +66,7 @@ _STREAM_LENGTH_LIMIT: Final = 1 << 30
 _TRACE_KEYS: Final = ("resourceSpans", "resource_spans")
 _OTHER_SIGNAL_KEYS: Final = ("resourceLogs", "resourceMetrics", "resourceProfiles", "resource_logs", "resource_metrics")
 
-Item = Action | Malformed
+Item = Action | Malformed | SessionMark
 # Lines parsed and handed on at a time: big enough that per-batch costs vanish, small
 # enough that a batch's records stay a few megabytes.
 _LINES_PER_BATCH: Final = 4096
@@ -76,12 +76,13 @@ _LINES_PER_BATCH: Final = 4096
 class Batch:
     """Consecutive items of one input, and how many of them are actions."""
 
-    items: list[Item]
+    items: Sequence[Item]
     actions: int
 
     @property
     def malformed(self) -> int:
-        return len(self.items) - self.actions
+        # Session marks (spans naming a session, no action) are neither.
+        return sum(1 for item in self.items if isinstance(item, Malformed))
 
 
 def read_input(
@@ -91,7 +92,7 @@ def read_input(
     *,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-) -> Iterator[Item]:
+) -> Iterator[Action | Malformed]:
     """Items of ``path`` (``-`` is stdin) in file order.
 
     The input is opened and its format detected before this returns, so an
@@ -103,10 +104,13 @@ def read_input(
     return _each_item(batches)
 
 
-def _each_item(batches: Generator[Batch, None, None]) -> Iterator[Item]:
+def _each_item(batches: Generator[Batch, None, None]) -> Iterator[Action | Malformed]:
     try:
         for batch in batches:
-            yield from batch.items
+            # Session marks link a trace's spans for the engine (read_batches keeps them); an item is a span's outcome.
+            for item in batch.items:
+                if not isinstance(item, SessionMark):
+                    yield item
     finally:
         batches.close()  # closes the file when the reader of items stops early
 
@@ -282,7 +286,7 @@ def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterat
         for block, has_too_long in line_blocks(chunks, max_line):
             for start in range(0, len(block), _LINES_PER_BATCH):
                 part = block[start : start + _LINES_PER_BATCH]
-                items: list[Item] = []
+                items: list[Action | Malformed] = []
                 before = seq
                 if not has_too_long:
                     seq = parse_lines(cast(Sequence[bytes], part), origin, last + 1, seq, items)
@@ -302,7 +306,8 @@ def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterat
 
 def _converted(converter: SpanConverter, traces: Any, origin: str, seq: int, line: int | None) -> Iterator[Item]:
     for item in converter.convert(traces, origin, seq).items:
-        item.line = line
+        if not isinstance(item, SessionMark):
+            item.line = line
         yield item
 
 

@@ -60,7 +60,7 @@ from processor.receive.otlp_common import (
     rejected_span_count,
 )
 from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
-from processor.records import Action, Malformed
+from processor.records import Action, Malformed, SessionMark
 from processor.state.faults import JournalFull, SessionOwnedElsewhere, StateCorrupt
 from processor.state.journal import Journal, JournalEntry, NewEntry
 from processor.state.outbox import Dispatcher, Outbox
@@ -89,7 +89,7 @@ class _Work:
 
     entry_id: int
     size: int
-    items: list[Action | Malformed] | None = None
+    items: list[Action | Malformed | SessionMark] | None = None
     # The request, for processor mode's forwarder (None for entries read back after a restart).
     request: Any = None
     entry: JournalEntry | None = None
@@ -316,7 +316,7 @@ class DurableWorker:
             self._refuse_all(group, "the checker's state store is failing")
             return
         assert self._journal is not None
-        converted: list[tuple[Batch, list[Action | Malformed], list[Malformed], NewEntry]] = []
+        converted: list[tuple[Batch, list[Action | Malformed | SessionMark], list[Malformed], NewEntry]] = []
         seq = self._seq
         for batch in group:
             try:
@@ -329,7 +329,9 @@ class DurableWorker:
                                     "checker's log"))
                 continue
             undecoded = [Malformed(message=p, origin=batch.origin, source="span") for p in batch.decode_problems]
-            items: list[Action | Malformed] = [*result.actions, *result.rejected, *undecoded]
+            items: list[Action | Malformed | SessionMark] = [
+                *result.marks, *result.actions, *result.rejected, *undecoded
+            ]
             sessions = frozenset(i.session_id for i in items if i.session_id)
             # The bytes as received when the receiver kept them (protobuf), else serialized once here (JSON).
             body = batch.body if batch.body is not None else batch.request.SerializeToString()
@@ -487,7 +489,7 @@ class DurableWorker:
                       exc_info=log.isEnabledFor(logging.DEBUG))
             return []
 
-    def _read_back(self, work: _Work) -> list[Action | Malformed]:
+    def _read_back(self, work: _Work) -> list[Action | Malformed | SessionMark]:
         entry = work.entry
         if entry is None:
             return []
@@ -499,7 +501,7 @@ class DurableWorker:
         work.request = None  # forwarded already (before the stop) or never: not again
         result = self._converter.convert(request, entry.origin, entry.seq_base)
         undecoded = [Malformed(message=p, origin=entry.origin, source="span") for p in entry.problems]
-        return [*result.actions, *result.rejected, *undecoded]
+        return [*result.marks, *result.actions, *result.rejected, *undecoded]
 
     def _tick(self) -> None:
         self._ticks += 1

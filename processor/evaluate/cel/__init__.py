@@ -40,14 +40,12 @@ denotations, protobuf messages and ``Msg{field: v}`` construction, qualified nam
 starting with ``.``, optional values (``?.``), ``cel.bind``, and the strings
 extension beyond ``lowerAscii``/``upperAscii`` (no ``split``, ``replace``, ``trim``...).
 
-**Regular expressions** use Python's ``re`` (ASCII ``\\d \\w \\s``, as RE2) after
-refusing what RE2 refuses and what makes backtracking blow up: backreferences,
-lookaround, atomic groups, stacked/possessive quantifiers, and an unbounded repeat
-of a group that itself repeats without bound. As in RE2, ``$`` matches only at the
-very end unless ``(?m)`` is given, ``\\z`` is the end of text and ``(?<name>...)``
-names a group; flag groups such as ``(?i)`` must open the pattern. Literal patterns
-are checked and compiled once, at compile time; matched text is limited to 100,000
-characters. Alternations that overlap under a repeat (``(a|a)*``) are not detected.
+**Regular expressions** are RE2's (the syntax CEL defines for ``matches``) and are
+matched by RE2 itself, in time linear in the text whatever the pattern: no rule and
+no record can make a match backtrack. What RE2 cannot compile (backreferences,
+lookaround, atomic or conditional groups, possessive quantifiers) is an error with
+a message saying so. Literal patterns are checked and compiled once, at compile
+time; patterns are limited to 1,000 characters and matched text to 100,000.
 
 **Limits**: sources of at most 10,000 characters, nesting of at most 100 levels.
 

@@ -692,6 +692,20 @@ def test_re2_syntax_beyond_pythons_re_is_understood() -> None:
     assert evaluate("x.matches('a')", x="\ud800a") is True
 
 
+# A number or duration grammar that splits a digit run many ways makes a failed match
+# quadratic in the run: a 100,000-digit string took minutes.
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("double(x)", "double() cannot parse"),
+        ("duration(x)", "duration() cannot parse"),
+    ],
+)
+def test_number_grammars_fail_in_linear_time(source: str, message: str) -> None:
+    assert message in str(evaluation_error(source, x="1" * 100_000 + "x"))
+
+
 def test_uint_conversion_results_are_uint() -> None:
     assert isinstance(evaluate("uint(7)"), UInt)
     assert isinstance(evaluate("7u + 1u"), UInt)

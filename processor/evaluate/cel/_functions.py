@@ -97,7 +97,9 @@ def to_uint(value: Any) -> UInt:
     raise no_overload("uint", value)
 
 
-_DOUBLE_TEXT: Final = re.compile(r"[+-]?([0-9]+\.?[0-9]*([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?)")
+# Each grammar is written so a string has one way to match: a failed fullmatch backs off
+# digit by digit once (linear), never tries every split of a digit run (quadratic).
+_DOUBLE_TEXT: Final = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
 _DOUBLE_WORDS: Final = re.compile(r"[+-]?(inf|infinity|nan)", re.IGNORECASE)
 
 
@@ -325,7 +327,7 @@ _DURATION_UNITS: Final = {
     "m": 60.0,
     "h": 3600.0,
 }
-_DURATION_PART: Final = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
 # CEL's duration range: about +-10,000 years.
 _MAX_DURATION_S: Final = 315_576_000_000.0
 

@@ -48,6 +48,11 @@ a message saying so. Literal patterns are checked and compiled once, at compile
 time; patterns are limited to 1,000 characters and matched text to 100,000.
 
 **Limits**: sources of at most 10,000 characters, nesting of at most 100 levels.
+**Cost** (:mod:`._cost`): each expression's worst case is estimated when it compiles
+(nested macros multiply the sizes of their lists) and refused past the Environment's
+:class:`CostLimits` ``max_cost``; while it runs, the items its macros visit are
+counted and the evaluation fails with :class:`BudgetExceeded` (an EvaluationError)
+past ``iterations``.
 
 **Compile-time errors** (ExpressionError with 1-based line:col in the source):
 syntax, undeclared names, fields outside ``known_fields`` (with the closest known
@@ -78,6 +83,7 @@ from typing import Any
 from processor.errors import EvaluationError, ExpressionError
 from processor.evaluate.cel._checker import WHOLE_VALUE, check
 from processor.evaluate.cel._compiler import Compiler, always_bool
+from processor.evaluate.cel._cost import BudgetExceeded, CostLimits, estimate_cost
 from processor.evaluate.cel._environment import Environment
 from processor.evaluate.cel._guards import Guard, extract_guard, field_path
 from processor.evaluate.cel._parser import parse
@@ -85,7 +91,9 @@ from processor.evaluate.cel._values import UInt
 
 __all__ = [
     "WHOLE_VALUE",
+    "BudgetExceeded",
     "CompiledExpression",
+    "CostLimits",
     "Environment",
     "EvaluationError",
     "ExpressionError",
@@ -104,7 +112,7 @@ class CompiledExpression:
     costs no method dispatch.
     """
 
-    __slots__ = ("evaluate", "guard", "path", "predicate", "references", "result_type", "source")
+    __slots__ = ("cost", "evaluate", "guard", "path", "predicate", "references", "result_type", "source")
 
     evaluate: Callable[[Mapping[str, Any]], Any]
     predicate: Callable[[Mapping[str, Any]], bool]
@@ -117,10 +125,13 @@ class CompiledExpression:
         result_type: str,
         always_bool: bool = False,
         *,
+        cost: int = 0,
         guard: Guard | None = None,
         path: tuple[str, str] | None = None,
     ) -> None:
         self.source = source
+        # The estimated worst case in steps (see CostLimits), at most the environment's max_cost.
+        self.cost = cost
         # When this refutes an activation, evaluate() would return false there (see Guard).
         self.guard = guard
         self.path = path
@@ -150,6 +161,14 @@ def compile_expression(source: str, env: Environment) -> CompiledExpression:
     try:
         tree = parse(source)
         checked = check(source, tree, env)
+        cost = estimate_cost(
+            source,
+            tree,
+            checked.constants,
+            env_constants=env.constants,
+            extra_functions=frozenset(env.functions),
+            limits=env.limits,
+        )
         code = Compiler(source, env, checked).compile(tree)
     except RecursionError:
         # The depth limits keep a parse well inside Python's stack; this only
@@ -161,6 +180,7 @@ def compile_expression(source: str, env: Environment) -> CompiledExpression:
         frozenset(checked.references),
         tree.ctype,
         always_bool(tree),
+        cost=cost,
         guard=extract_guard(tree, checked.constants),
         path=field_path(tree, checked.constants),
     )

@@ -196,3 +196,54 @@ def test_an_overrun_is_a_rule_error_counted_per_rule_and_logged_once_without_val
     assert len(warnings) == 1
     assert secret not in caplog.text
     assert "400" not in warnings[0]
+
+
+REGEX_RULES = """\
+version: 1
+rules:
+  - id: ACME5
+    name: odd-key
+    severity: warning
+    condition: has(record.idempotency_key) && record.idempotency_key.matches('^(a|a)*$')
+    message: odd key
+  - id: ACME6
+    name: nested-plus
+    severity: warning
+    condition: has(record.idempotency_key) && record.idempotency_key.matches('^(a+)+$')
+    message: nested plus
+"""
+
+
+@pytest.mark.timeout(30)
+def test_one_record_with_a_matching_then_failing_key_does_not_freeze_the_engine(tmp_path: Path) -> None:
+    # Both rules passed the old load-time guard or were its only catch; under a backtracking
+    # engine each of these records takes hours. The timeout marker is the failure signal.
+    rules = load_rules([_write(tmp_path, "r.yaml", REGEX_RULES)], include_shipped=False)
+    engine = Engine(rules, EngineOptions())
+    hostile = [log_line(n, action_id=f"a{n}", idempotency_key="a" * (40 + n) + "!") for n in (1, 2, 3)]
+    plain = log_line(4, action_id="a4", idempotency_key="a" * 50)
+    out = engine.submit_many([*hostile, plain]) + engine.finish()
+    assert sorted((v.rule, v.action_id) for v in out) == [("ACME5", "a4"), ("ACME6", "a4")]
+    assert engine.summary().rule_errors == {}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("(?=pay)", "lookahead (?=...) is not supported"),
+        ("(?<!x)pay", "lookbehind (?<!...) is not supported"),
+        ("(a)\\\\1", "backreferences (\\1) are not supported"),
+    ],
+)
+def test_rules_check_refuses_a_pattern_re2_cannot_compile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pattern: str, message: str
+) -> None:
+    text = REGEX_RULES.split("  - id: ACME6")[0].replace("^(a|a)*$", pattern)
+    path = _write(tmp_path, "r.yaml", text)
+    col = text.splitlines()[5].index("matches('") + len("matches(") + 1  # the pattern's opening quote
+    expected = f"{path}:6:{col}: rule ACME5 (odd-key): condition: matches(): {message}"
+    assert [str(p) for p in lint([path], include_shipped=False)] == [
+        f"{expected} (CEL regular expressions are RE2's, matched in linear time)"
+    ]
+    assert main(["rules", "check", "--no-shipped", str(path)]) == 1
+    assert expected in capsys.readouterr().out

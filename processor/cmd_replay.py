@@ -85,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     include_shipped = not args.no_shipped_rules
     lateness = 5.0
     options = EngineOptions(mode="replay")
+    limits = None
     if config is not None:
         ev = config.evaluate
+        limits = ev.rule_limits.cost_limits()
         strict = strict or ev.strict
         rule_paths.extend(ev.rules)
         include_shipped = include_shipped and ev.include_shipped_rules
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"durable-check: --allowed-lateness: {exc}\n")
             return 2
     rule_paths.extend(args.rules)
-    ruleset = load_rules(rule_paths, include_shipped=include_shipped)
+    ruleset = load_rules(rule_paths, include_shipped=include_shipped, limits=limits)
     options = EngineOptions(strict=strict, allowed_lateness_s=lateness, mode="replay")
     pipeline = Pipeline(Engine(ruleset, options))
 

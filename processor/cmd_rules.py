@@ -35,6 +35,9 @@ def register(subparsers: Any) -> None:
     check.add_argument(
         "--no-shipped", action="store_true", help="check the files alone, without the shipped rule packs"
     )
+    check.add_argument(
+        "--config", metavar="FILE", help="configuration whose evaluate.rule_limits apply (serve's own limits)"
+    )
     check.set_defaults(func=run_check)
 
     test = commands.add_parser(
@@ -84,10 +87,16 @@ def run_check(args: argparse.Namespace) -> int:
     if _unreadable(files, err):
         return EXIT_UNREADABLE
     include_shipped = not args.no_shipped
+    limits = None
+    if args.config:
+        from processor.config import load_config
+
+        # Only the evaluate section matters here; ConfigError is printed by the CLI (exit 2).
+        limits = load_config(args.config, sections=("evaluate",)).evaluate.rule_limits.cost_limits()
     # A shell glob such as rules/*.yaml also names the unit tests: check those as test files.
     test_files = [path for path in files if path.name.endswith((".test.yaml", ".test.yml"))]
     files = [path for path in files if path not in test_files]
-    problems = lint(files, include_shipped=include_shipped) if files else []
+    problems = lint(files, include_shipped=include_shipped, limits=limits) if files else []
     for path in test_files:
         try:
             load_test_file(path)
@@ -99,7 +108,7 @@ def run_check(args: argparse.Namespace) -> int:
             out.write(f"  {problem}\n")
         out.write(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found\n")
         return EXIT_FAILED
-    ruleset = load_rules(files, include_shipped=include_shipped)
+    ruleset = load_rules(files, include_shipped=include_shipped, limits=limits)
     per_file = Counter(rule.pos.file for rule in ruleset.rules)
     named = {path.resolve() for path in files}
     for path, display, _ in rule_sources(files, include_shipped=include_shipped):

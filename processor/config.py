@@ -17,7 +17,7 @@ import importlib.util
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from exporters.config import ExportersConfig
 from processor.configfmt import (
@@ -32,6 +32,9 @@ from processor.configfmt import (
 )
 from processor.convert.options import ConvertOptions, ToolKindRule
 from processor.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from processor.evaluate.cel import CostLimits
 
 # The crash-safe store ships in its own module; a build without it cannot honour `sqlite`.
 SQLITE_STATE_AVAILABLE: bool = importlib.util.find_spec("processor.state.sqlite") is not None
@@ -164,6 +167,36 @@ class QueueConfig:
 
 
 @dataclass(slots=True)
+class RuleLimitsConfig:
+    """What one rule expression may cost (docs/rules.md, "Limits")."""
+
+    # Rules whose estimated worst case on one record exceeds this many steps are refused at load.
+    max_cost: int = 1_000_000
+    # When estimating: items in a list or map read from a record, characters in a string.
+    assumed_list_size: int = 100
+    assumed_string_chars: int = 100_000
+    # At run time: macro items one evaluation may visit; past it the rule errs on that record.
+    max_iterations: int = 100_000
+
+    def validate(self, path: str) -> list[Problem]:
+        return [
+            Problem(f"{path}.{name}", "must be at least 1")
+            for name in ("max_cost", "assumed_list_size", "assumed_string_chars", "max_iterations")
+            if getattr(self, name) < 1
+        ]
+
+    def cost_limits(self) -> CostLimits:
+        from processor.evaluate.cel import CostLimits
+
+        return CostLimits(
+            max_cost=self.max_cost,
+            list_size=self.assumed_list_size,
+            string_chars=self.assumed_string_chars,
+            iterations=self.max_iterations,
+        )
+
+
+@dataclass(slots=True)
 class EvaluateConfig:
     strict: bool = False
     rules: list[str] = field(default_factory=list)
@@ -172,6 +205,7 @@ class EvaluateConfig:
     session_idle_timeout: Duration = _7D
     max_sessions: int = 100_000
     tick_interval: Duration = _1S
+    rule_limits: RuleLimitsConfig = field(default_factory=RuleLimitsConfig)
 
     def validate(self, path: str) -> list[Problem]:
         problems: list[Problem] = []

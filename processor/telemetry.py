@@ -41,6 +41,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Age of the oldest unresolved wait: stuck work made visible."),
     MetricSpec("sessions_evicted", "durable_check_sessions_evicted", "counter",
                "Sessions dropped because the open-session bound was reached."),
+    MetricSpec("rule_errors", "durable_check_rule_errors", "counter",
+               "Records on which a rule's expression failed or overran its evaluation budget "
+               "(the rule did not fire on them), by rule.", ("rule",)),
     # The processor's own health.
     MetricSpec("spans_received", "durable_check_spans_received", "counter",
                "Spans received, by protocol (grpc, http, file).", ("protocol",)),
@@ -90,6 +93,7 @@ class Telemetry:
     open_waits: Gauge
     oldest_open_wait_age: Gauge
     sessions_evicted: Counter
+    rule_errors: Counter
     spans_received: Counter
     spans_rejected: Counter
     spans_duplicate: Counter

@@ -570,6 +570,7 @@ class Engine:
         self._tm_duplicates = 0
         self._tm_late = 0
         self._tm_evicted = 0
+        self._tm_rule_errors: dict[str, int] = {}
         self._services: set[str] = set()
         self._wait_states: dict[str, int] = {}
         # Every open wait, oldest first (arrival order): the oldest_open_wait_age gauge reads the first.
@@ -1122,6 +1123,7 @@ class Engine:
     def _rule_error(self, plan: _Plan, where: str) -> None:
         errors = self._state.rule_errors
         errors[plan.id] = errors.get(plan.id, 0) + 1
+        self._tm_rule_errors[plan.id] = self._tm_rule_errors.get(plan.id, 0) + 1
         if plan.id not in self._logged_errors:
             self._logged_errors.add(plan.id)
             log.warning(
@@ -1610,6 +1612,9 @@ class Engine:
         if self._tm_evicted:
             tm.sessions_evicted.inc(self._tm_evicted)
             self._tm_evicted = 0
+        for rule, n in self._tm_rule_errors.items():
+            tm.rule_errors.labels(rule=rule).inc(n)
+        self._tm_rule_errors.clear()
         tm.open_sessions.set(len(self._sessions))
         by_state = dict.fromkeys(_WAIT_STATE_LABELS, 0)
         for state_name, n in self._wait_states.items():

@@ -36,7 +36,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from processor import configfmt
 from processor.errors import ExpressionError, Problem, RuleFormatError
-from processor.evaluate.cel import Environment, compile_expression
+from processor.evaluate.cel import CostLimits, Environment, compile_expression
 from processor.evaluate.functions import RULE_FUNCTIONS
 from processor.evaluate.model import (
     RULE_TYPES,
@@ -171,26 +171,35 @@ class _Environments:
     malformed: Any  # the message of a malformed rule
 
 
-def _environments(lists: dict[str, list[str]], extra_fields: Iterable[str] = ()) -> _Environments:
-    """``extra_fields``: record fields beyond the convention's that rule files declared (``record_fields``)."""
+def _environments(
+    lists: dict[str, list[str]], extra_fields: Iterable[str] = (), limits: CostLimits | None = None
+) -> _Environments:
+    """``extra_fields``: record fields beyond the convention's that rule files declared (``record_fields``).
+
+    ``limits`` bounds each expression's estimated and run-time cost (the defaults when None).
+    """
     record_fields = frozenset(FIELD_TYPES) | frozenset(extra_fields)
     functions = dict(RULE_FUNCTIONS)
     constants = {"lists": {name: list(values) for name, values in lists.items()}}
     base_vars = {"record": "map", "meta": "map"}
     known = {"record": record_fields, "meta": META_FIELDS}
     return _Environments(
-        record=Environment(variables=base_vars, known_fields=known, constants=constants, functions=functions),
+        record=Environment(
+            variables=base_vars, known_fields=known, constants=constants, functions=functions, limits=limits
+        ),
         with_first=Environment(
             variables={**base_vars, "first": "map"},
             known_fields={**known, "first": record_fields},
             constants=constants,
             functions=functions,
+            limits=limits,
         ),
         malformed=Environment(
             variables={"meta": "map"},
             known_fields={"meta": MALFORMED_META_FIELDS},
             constants=constants,
             functions=functions,
+            limits=limits,
         ),
     )
 
@@ -988,7 +997,13 @@ def _collect(paths: Sequence[str | Path], include_shipped: bool) -> list[tuple[P
     return chosen
 
 
-def _load(paths: Sequence[str | Path], include_shipped: bool, strict_only_ok: bool, problems: _Problems) -> RuleSet:
+def _load(
+    paths: Sequence[str | Path],
+    include_shipped: bool,
+    strict_only_ok: bool,
+    problems: _Problems,
+    limits: CostLimits | None = None,
+) -> RuleSet:
     parsed_files: list[_ParsedFile] = []
     for path, display, shipped in _collect(paths, include_shipped):
         problems.file_order.setdefault(display, len(problems.file_order))
@@ -1017,7 +1032,7 @@ def _load(paths: Sequence[str | Path], include_shipped: bool, strict_only_ok: bo
         problems.add("", f"{total} rules in all; at most {MAX_RULES_TOTAL} are allowed")
         return ruleset
     extra_fields = {name for parsed in parsed_files for name, _ in parsed.record_fields}
-    builder = _RuleBuilder(_environments(lists, extra_fields), lists, problems)
+    builder = _RuleBuilder(_environments(lists, extra_fields, limits), lists, problems)
     # Ids are compared as written, before a rule is built: a duplicate is reported even
     # when either rule has other problems (every problem is said at once).
     placed: dict[str, str] = {}
@@ -1085,16 +1100,24 @@ def _override_label(node: Node) -> str:
     return "override"
 
 
-def load_rules(paths: Sequence[str | Path], include_shipped: bool = True, strict_only_ok: bool = True) -> RuleSet:
+def load_rules(
+    paths: Sequence[str | Path],
+    include_shipped: bool = True,
+    strict_only_ok: bool = True,
+    *,
+    limits: CostLimits | None = None,
+) -> RuleSet:
     """Load the shipped packs (unless ``include_shipped`` is false) and ``paths``, then apply overrides.
 
     ``paths`` may name directories (their ``*.yaml`` rule files, tests excluded). A path
     that is itself a shipped pack is loaded once. With ``strict_only_ok`` false, rules
     that run only in strict mode are left out of the set (for callers that never run
-    strict). Raises :class:`RuleFormatError` listing every problem in every file.
+    strict). ``limits`` bounds what each expression may cost: one estimated past
+    ``max_cost`` is a problem at its place; the defaults when None. Raises
+    :class:`RuleFormatError` listing every problem in every file.
     """
     problems = _Problems()
-    ruleset = _load(paths, include_shipped, strict_only_ok, problems)
+    ruleset = _load(paths, include_shipped, strict_only_ok, problems, limits)
     found = problems.final()
     if found:
         count = len(found)
@@ -1102,10 +1125,12 @@ def load_rules(paths: Sequence[str | Path], include_shipped: bool = True, strict
     return ruleset
 
 
-def lint(paths: Sequence[str | Path], include_shipped: bool = True) -> list[Problem]:
+def lint(
+    paths: Sequence[str | Path], include_shipped: bool = True, *, limits: CostLimits | None = None
+) -> list[Problem]:
     """Every problem in ``paths`` (checked together with the shipped packs, which overrides may name)."""
     problems = _Problems()
-    _load(paths, include_shipped, True, problems)
+    _load(paths, include_shipped, True, problems, limits)
     return problems.final()
 
 

@@ -40,16 +40,19 @@ denotations, protobuf messages and ``Msg{field: v}`` construction, qualified nam
 starting with ``.``, optional values (``?.``), ``cel.bind``, and the strings
 extension beyond ``lowerAscii``/``upperAscii`` (no ``split``, ``replace``, ``trim``...).
 
-**Regular expressions** use Python's ``re`` (ASCII ``\\d \\w \\s``, as RE2) after
-refusing what RE2 refuses and what makes backtracking blow up: backreferences,
-lookaround, atomic groups, stacked/possessive quantifiers, and an unbounded repeat
-of a group that itself repeats without bound. As in RE2, ``$`` matches only at the
-very end unless ``(?m)`` is given, ``\\z`` is the end of text and ``(?<name>...)``
-names a group; flag groups such as ``(?i)`` must open the pattern. Literal patterns
-are checked and compiled once, at compile time; matched text is limited to 100,000
-characters. Alternations that overlap under a repeat (``(a|a)*``) are not detected.
+**Regular expressions** are RE2's (the syntax CEL defines for ``matches``) and are
+matched by RE2 itself, in time linear in the text whatever the pattern: no rule and
+no record can make a match backtrack. What RE2 cannot compile (backreferences,
+lookaround, atomic or conditional groups, possessive quantifiers) is an error with
+a message saying so. Literal patterns are checked and compiled once, at compile
+time; patterns are limited to 1,000 characters and matched text to 100,000.
 
 **Limits**: sources of at most 10,000 characters, nesting of at most 100 levels.
+**Cost** (:mod:`._cost`): each expression's worst case is estimated when it compiles
+(nested macros multiply the sizes of their lists) and refused past the Environment's
+:class:`CostLimits` ``max_cost``; while it runs, the items its macros visit are
+counted and the evaluation fails with :class:`BudgetExceeded` (an EvaluationError)
+past ``iterations``.
 
 **Compile-time errors** (ExpressionError with 1-based line:col in the source):
 syntax, undeclared names, fields outside ``known_fields`` (with the closest known
@@ -80,6 +83,7 @@ from typing import Any
 from processor.errors import EvaluationError, ExpressionError
 from processor.evaluate.cel._checker import WHOLE_VALUE, check
 from processor.evaluate.cel._compiler import Compiler, always_bool
+from processor.evaluate.cel._cost import BudgetExceeded, CostLimits, estimate_cost
 from processor.evaluate.cel._environment import Environment
 from processor.evaluate.cel._guards import Guard, extract_guard, field_path
 from processor.evaluate.cel._parser import parse
@@ -87,7 +91,9 @@ from processor.evaluate.cel._values import UInt
 
 __all__ = [
     "WHOLE_VALUE",
+    "BudgetExceeded",
     "CompiledExpression",
+    "CostLimits",
     "Environment",
     "EvaluationError",
     "ExpressionError",
@@ -106,7 +112,7 @@ class CompiledExpression:
     costs no method dispatch.
     """
 
-    __slots__ = ("evaluate", "guard", "path", "predicate", "references", "result_type", "source")
+    __slots__ = ("cost", "evaluate", "guard", "path", "predicate", "references", "result_type", "source")
 
     evaluate: Callable[[Mapping[str, Any]], Any]
     predicate: Callable[[Mapping[str, Any]], bool]
@@ -119,10 +125,13 @@ class CompiledExpression:
         result_type: str,
         always_bool: bool = False,
         *,
+        cost: int = 0,
         guard: Guard | None = None,
         path: tuple[str, str] | None = None,
     ) -> None:
         self.source = source
+        # The estimated worst case in steps (see CostLimits), at most the environment's max_cost.
+        self.cost = cost
         # When this refutes an activation, evaluate() would return false there (see Guard).
         self.guard = guard
         self.path = path
@@ -152,6 +161,14 @@ def compile_expression(source: str, env: Environment) -> CompiledExpression:
     try:
         tree = parse(source)
         checked = check(source, tree, env)
+        cost = estimate_cost(
+            source,
+            tree,
+            checked.constants,
+            env_constants=env.constants,
+            extra_functions=frozenset(env.functions),
+            limits=env.limits,
+        )
         code = Compiler(source, env, checked).compile(tree)
     except RecursionError:
         # The depth limits keep a parse well inside Python's stack; this only
@@ -163,6 +180,7 @@ def compile_expression(source: str, env: Environment) -> CompiledExpression:
         frozenset(checked.references),
         tree.ctype,
         always_bool(tree),
+        cost=cost,
         guard=extract_guard(tree, checked.constants),
         path=field_path(tree, checked.constants),
     )

@@ -8,13 +8,15 @@ shapes rules use most (``var.field``, ``var.field == "literal"``,
 ``s.matches("literal")``) get fused closures that avoid a call level each.
 
 Macro variables live in a copy of the activation made once per macro evaluation,
-so every name is read the same way (``activation[name]``).
+so every name is read the same way (``activation[name]``). That copy also carries
+the evaluation's iteration budget (see :mod:`._cost`): the outermost macro opens it
+and every macro nested in it spends from the same one, one unit per item.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from processor.errors import EvaluationError, ExpressionError
 from processor.evaluate.cel._ast import (
@@ -34,6 +36,7 @@ from processor.evaluate.cel._ast import (
     Unary,
 )
 from processor.evaluate.cel._checker import CheckResult
+from processor.evaluate.cel._cost import BUDGET_KEY, BudgetExceeded, budget_exceeded
 from processor.evaluate.cel._environment import Environment
 from processor.evaluate.cel._functions import BUILTINS, compile_pattern, search
 from processor.evaluate.cel._lexer import error_at
@@ -642,7 +645,8 @@ class Compiler:
             transform = self.compile(node.transform).fn if node.transform is not None else None
         finally:
             self.scope.pop()
-        return Code(_MACRO_BUILDERS[node.macro](node.macro, node.var, iter_range, predicate, transform))
+        build = _MACRO_BUILDERS[node.macro]
+        return Code(build(node.macro, node.var, iter_range, predicate, transform, limit=self.env.limits.iterations))
 
 
 def _logic_closure(op: str, terms: tuple[Fn, ...]) -> Fn:
@@ -660,9 +664,13 @@ def _logic_closure(op: str, terms: tuple[Fn, ...]) -> Fn:
     undecided: bool = neutral
 
     def finish(activation: Activation, failure: EvaluationError, start: int) -> bool:
+        if type(failure) is BudgetExceeded:
+            raise failure  # an overrun ends the evaluation: no other term may absorb it
         for term in terms[start:]:
             try:
                 value = term(activation)
+            except BudgetExceeded:
+                raise
             except EvaluationError:
                 continue
             if value is decisive:
@@ -772,7 +780,19 @@ def _build_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return built
 
 
-MacroBuilder = Callable[[str, str, Fn, Fn | None, Fn | None], Fn]
+class MacroBuilder(Protocol):
+    def __call__(
+        self, macro: str, var: str, iter_range: Fn, predicate: Fn | None, transform: Fn | None, /, *, limit: int
+    ) -> Fn: ...
+
+
+def _macro_scope(activation: Activation, limit: int) -> tuple[dict[str, Any], list[int]]:
+    """A macro's own copy of the activation, and the budget it spends from (opened here when outermost)."""
+    scope = dict(activation)
+    budget: list[int] | None = scope.get(BUDGET_KEY)
+    if budget is None:
+        budget = scope[BUDGET_KEY] = [limit]
+    return scope, budget
 
 
 def _quantifier(decisive: bool) -> MacroBuilder:
@@ -786,16 +806,21 @@ def _quantifier(decisive: bool) -> MacroBuilder:
     decided: bool = decisive
     undecided: bool = neutral
 
-    def build(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None) -> Fn:
+    def build(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None, *, limit: int) -> Fn:
         assert predicate is not None
 
         def quantify(activation: Activation) -> bool:
-            scope = dict(activation)
+            scope, budget = _macro_scope(activation, limit)
             failure: EvaluationError | None = None
             for item in iteration_items(iter_range(activation), macro):
+                budget[0] -= 1
+                if budget[0] < 0:
+                    raise budget_exceeded(limit)
                 scope[var] = item
                 try:
                     value = predicate(scope)
+                except BudgetExceeded:
+                    raise
                 except EvaluationError as exc:
                     failure = failure or exc
                     continue
@@ -812,13 +837,16 @@ def _quantifier(decisive: bool) -> MacroBuilder:
     return build
 
 
-def _exists_one(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None) -> Fn:
+def _exists_one(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None, *, limit: int) -> Fn:
     assert predicate is not None
 
     def exists_one(activation: Activation) -> bool:
-        scope = dict(activation)
+        scope, budget = _macro_scope(activation, limit)
         found = 0
         for item in iteration_items(iter_range(activation), macro):
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise budget_exceeded(limit)
             scope[var] = item
             value = predicate(scope)
             if value is True:
@@ -830,13 +858,16 @@ def _exists_one(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _tra
     return exists_one
 
 
-def _map(macro: str, var: str, iter_range: Fn, predicate: Fn | None, transform: Fn | None) -> Fn:
+def _map(macro: str, var: str, iter_range: Fn, predicate: Fn | None, transform: Fn | None, *, limit: int) -> Fn:
     assert transform is not None
 
     def map_items(activation: Activation) -> list[Any]:
-        scope = dict(activation)
+        scope, budget = _macro_scope(activation, limit)
         mapped: list[Any] = []
         for item in iteration_items(iter_range(activation), macro):
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise budget_exceeded(limit)
             scope[var] = item
             if predicate is not None:
                 keep = predicate(scope)
@@ -850,13 +881,16 @@ def _map(macro: str, var: str, iter_range: Fn, predicate: Fn | None, transform: 
     return map_items
 
 
-def _filter(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None) -> Fn:
+def _filter(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transform: Fn | None, *, limit: int) -> Fn:
     assert predicate is not None
 
     def filter_items(activation: Activation) -> list[Any]:
-        scope = dict(activation)
+        scope, budget = _macro_scope(activation, limit)
         kept: list[Any] = []
         for item in iteration_items(iter_range(activation), macro):
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise budget_exceeded(limit)
             scope[var] = item
             keep = predicate(scope)
             if keep is True:

@@ -6,6 +6,7 @@ import keyword
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from processor.evaluate.cel._cost import CostLimits
 from processor.evaluate.cel._functions import BUILTINS
 from processor.evaluate.cel._lexer import KEYWORDS, RESERVED_WORDS
 from processor.evaluate.cel._values import kind
@@ -56,10 +57,11 @@ class Environment:
     ``constants[name]`` is a value fixed at compile time; expressions using it are
     constant-folded, and it need not be in the activation. ``functions[name]`` is
     ``(callable, arity)``; the callable gets evaluated arguments and may raise
-    EvaluationError.
+    EvaluationError. ``limits`` bounds what one expression may cost, estimated when it
+    compiles and counted while it runs (see :mod:`._cost`).
     """
 
-    __slots__ = ("constants", "functions", "known_fields", "variables")
+    __slots__ = ("constants", "functions", "known_fields", "limits", "variables")
 
     def __init__(
         self,
@@ -67,7 +69,12 @@ class Environment:
         known_fields: Mapping[str, frozenset[str] | None] | None = None,
         constants: Mapping[str, Any] | None = None,
         functions: Mapping[str, ExtraFunction] | None = None,
+        limits: CostLimits | None = None,
     ) -> None:
+        self.limits = limits if limits is not None else CostLimits()
+        bad_limits = self.limits.problems()
+        if bad_limits:
+            raise ValueError(f"cost limits: {'; '.join(bad_limits)}")
         self.variables: dict[str, str] = {}
         for name, type_name in variables.items():
             if not _is_name(name):

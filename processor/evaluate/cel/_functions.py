@@ -1,10 +1,9 @@
 """Built-in functions of the CEL subset: their signatures (for the checker) and implementations.
 
-Regular expressions follow RE2's syntax as far as Python's ``re`` shares it;
-constructs RE2 rejects and that make backtracking explode (backreferences,
-lookaround, atomic groups, possessive or stacked quantifiers, and an unbounded
-repeat of a group that itself repeats without bound) are rejected before ``re``
-sees the pattern, and matched input is bounded in length.
+Regular expressions are RE2's, as CEL defines them, matched by RE2 itself: matching
+takes time linear in the text for any pattern, so no pattern a rule author writes
+can backtrack. What RE2 cannot compile (backreferences, lookaround) is refused with
+a message saying so; matched input and patterns are bounded in length.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final
+
+import re2
 
 from processor.errors import EvaluationError
 from processor.evaluate.cel._values import INT_MIN, UINT_MAX, UInt, check_int, kind, no_overload
@@ -96,7 +97,9 @@ def to_uint(value: Any) -> UInt:
     raise no_overload("uint", value)
 
 
-_DOUBLE_TEXT: Final = re.compile(r"[+-]?([0-9]+\.?[0-9]*([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?)")
+# Each grammar is written so a string has one way to match: a failed fullmatch backs off
+# digit by digit once (linear), never tries every split of a digit run (quadratic).
+_DOUBLE_TEXT: Final = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
 _DOUBLE_WORDS: Final = re.compile(r"[+-]?(inf|infinity|nan)", re.IGNORECASE)
 
 
@@ -232,172 +235,75 @@ def upper_ascii(text: Any) -> str:
 
 # -- regular expressions --------------------------------------------------------------
 
+# RE2 matches in time linear in the text whatever the pattern, so no rule and no record
+# can make a match backtrack. Its errors are not logged to stderr: they become messages.
+_RE2_OPTIONS: Final = re2.Options()
+_RE2_OPTIONS.log_errors = False
 
-def _quantifier_end(pattern: str, i: int) -> tuple[int, bool] | None:
-    """If a quantifier starts at ``i``: (index after it, whether it is unbounded)."""
-    c = pattern[i]
-    if c in "*+":
-        return i + 1, True
-    if c == "?":
-        return i + 1, False
-    if c == "{":
-        match = re.match(r"\{(\d*)(,?)(\d*)\}", pattern[i:])
-        if match and (match.group(1) or match.group(3)):
-            return i + match.end(), bool(match.group(2)) and not match.group(3)
-    return None
-
-
-def _group_header_end(pattern: str, i: int) -> tuple[int, bool]:
-    """Skip a group opener at ``i``: (index after it, whether it is a flags-only group like ``(?i)``)."""
-    if not pattern.startswith("(?", i):
-        return i + 1, False
-    j = i + 2
-    if pattern.startswith(("P<", "<"), j):
-        close = pattern.find(">", j)
-        return (len(pattern) if close < 0 else close + 1), False
-    while j < len(pattern) and (pattern[j].isalpha() or pattern[j] == "-"):
-        j += 1
-    if j < len(pattern) and pattern[j] == ")":
-        return j + 1, True
-    return j + 1, False  # "(?:" or "(?flags:"
+# What RE2's terse refusals mean to a rule author, by how its message starts.
+_RE2_REFUSALS: Final = (
+    ("invalid perl operator: (?=", "lookahead (?=...) is not supported"),
+    ("invalid perl operator: (?!", "lookahead (?!...) is not supported"),
+    ("invalid perl operator: (?<=", "lookbehind (?<=...) is not supported"),
+    ("invalid perl operator: (?<!", "lookbehind (?<!...) is not supported"),
+    ("invalid perl operator: (?P=", "named backreferences (?P=...) are not supported"),
+    ("invalid perl operator: (?>", "atomic groups (?>...) are not supported"),
+    ("invalid perl operator: (?(", "conditional groups (?(...) are not supported"),
+)
+_RE2_NOTE: Final = " (CEL regular expressions are RE2's, matched in linear time)"
+_BACKREFERENCE: Final = re.compile(r"invalid escape sequence: \\[1-9]")
 
 
-def re2_problem(pattern: str) -> str | None:
-    """Why ``pattern`` is not accepted (RE2-incompatible or prone to catastrophic backtracking), or None."""
+class Pattern:
+    """A compiled RE2 pattern; ``search(text)`` is true when it matches any part of ``text``."""
+
+    __slots__ = ("_regexp",)
+
+    def __init__(self, regexp: Any) -> None:
+        self._regexp = regexp
+
+    def search(self, text: str) -> bool:
+        # Text is handed over as UTF-8; a lone surrogate (possible in a CEL escape) passes through.
+        return self._regexp.search(text.encode("utf-8", "surrogatepass")) is not None
+
+
+def _refusal(message: str) -> str:
+    if message.startswith("invalid perl operator: (?P") and not message.startswith("invalid perl operator: (?P<"):
+        message = "invalid perl operator: (?P="
+    for prefix, meaning in _RE2_REFUSALS:
+        if message.startswith(prefix):
+            return f"{meaning}{_RE2_NOTE}"
+    if _BACKREFERENCE.match(message):
+        return f"backreferences (\\1) are not supported{_RE2_NOTE}"
+    return f"invalid regular expression: {message}"
+
+
+def compile_pattern(pattern: str) -> Pattern:
+    """Compile an RE2 pattern (the syntax CEL defines for ``matches``); raises ValueError with a reason."""
     if len(pattern) > MAX_PATTERN_CHARS:
-        return f"the pattern is longer than {MAX_PATTERN_CHARS} characters"
-    for opener, what in (
-        ("(?=", "lookahead"),
-        ("(?!", "lookahead"),
-        ("(?<=", "lookbehind"),
-        ("(?<!", "lookbehind"),
-        ("(?P=", "named backreferences"),
-        ("(?>", "atomic groups"),
-        ("(?(", "conditional groups"),
-        ("(?#", "comment groups"),
-    ):
-        if opener in pattern:
-            return f"{what} ({opener}...) are not supported"
-    # One flag per open group: does it contain an unbounded repeat?
-    groups: list[bool] = [False]
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        atom_repeats_unbounded = False
-        if c == "\\":
-            if i + 1 < n and pattern[i + 1] in "123456789":
-                return "backreferences (\\1) are not supported"
-            i += 2
-        elif c == "[":
-            i += 1
-            if i < n and pattern[i] == "^":
-                i += 1
-            if i < n and pattern[i] == "]":
-                i += 1
-            while i < n and pattern[i] != "]":
-                i += 2 if pattern[i] == "\\" else 1
-            i += 1
-        elif c == "(":
-            i, flags_only = _group_header_end(pattern, i)
-            if not flags_only:
-                groups.append(False)
-            continue
-        elif c == ")":
-            atom_repeats_unbounded = groups.pop() if len(groups) > 1 else False
-            i += 1
-        elif c == "|":
-            i += 1
-            continue
-        elif c in "*+?" or (c == "{" and _quantifier_end(pattern, i) is not None):
-            return "a quantifier must follow something to repeat"
-        else:
-            i += 1
-        quantifier = _quantifier_end(pattern, i) if i < n else None
-        if quantifier is not None:
-            i, unbounded = quantifier
-            if unbounded and atom_repeats_unbounded:
-                return "an unbounded repeat of a group that itself repeats without bound can take exponential time"
-            if unbounded:
-                groups[-1] = True
-            if i < n and pattern[i] == "?":
-                i += 1  # lazy
-            if i < n and _quantifier_end(pattern, i) is not None:
-                return "stacked or possessive quantifiers (like a*+) are not supported"
-        if atom_repeats_unbounded:
-            groups[-1] = True
-    return None
-
-
-_MULTILINE_FLAG: Final = re.compile(r"\(\?[a-zA-Z]*m[a-zA-Z]*[-:)]")
-
-
-def _translate_re2(pattern: str) -> str:
-    """Rewrite what RE2 writes or means differently: ``\\z`` is Python's ``\\Z``; outside
-    multi-line mode RE2's ``$`` matches only at the very end (Python's also before a final
-    newline); ``(?<name>...)`` is Python's ``(?P<name>...)``."""
-    dollar = "$" if _MULTILINE_FLAG.search(pattern) else "\\Z"
-    out: list[str] = []
-    i, n = 0, len(pattern)
-    in_class = False
-    while i < n:
-        c = pattern[i]
-        if c == "\\" and i + 1 < n:
-            out.append("\\Z" if pattern[i + 1] == "z" and not in_class else pattern[i : i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            out.append(c)
-            i += 1
-            # A "]" right after "[" or "[^" is a literal, not the end of the class.
-            if i < n and pattern[i] == "^":
-                out.append("^")
-                i += 1
-            if i < n and pattern[i] == "]":
-                out.append("]")
-                i += 1
-            continue
-        elif c == "$":
-            out.append(dollar)
-            i += 1
-            continue
-        elif pattern.startswith("(?<", i):
-            # RE2's (?<name>...) is Python's (?P<name>...); lookbehind was refused before this.
-            out.append("(?P<")
-            i += 3
-            continue
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """Compile an RE2-style pattern; raises ValueError with a reason."""
-    problem = re2_problem(pattern)
-    if problem is not None:
-        raise ValueError(problem)
+        raise ValueError(f"the pattern is longer than {MAX_PATTERN_CHARS} characters")
     try:
-        return re.compile(_translate_re2(pattern), re.ASCII)
-    except re.error as exc:
-        raise ValueError(f"invalid regular expression: {exc.msg}") from None
+        return Pattern(re2.compile(pattern.encode("utf-8", "surrogatepass"), _RE2_OPTIONS))
+    except re2.error as exc:
+        detail = exc.args[0] if exc.args else ""
+        text = detail.decode("utf-8", "replace") if isinstance(detail, bytes) else str(detail)
+        raise ValueError(_refusal(text)) from None
 
 
 @functools.lru_cache(maxsize=128)
-def _cached_pattern(pattern: str) -> re.Pattern[str] | str:
+def _cached_pattern(pattern: str) -> Pattern | str:
     try:
         return compile_pattern(pattern)
     except ValueError as exc:
         return str(exc)
 
 
-def search(compiled: re.Pattern[str], text: Any) -> bool:
+def search(compiled: Pattern, text: Any) -> bool:
     if type(text) is not str and kind(text) != "string":
         raise no_overload("matches", text, "")
     if len(text) > MAX_MATCH_INPUT_CHARS:
         raise EvaluationError(f"matches() input is longer than {MAX_MATCH_INPUT_CHARS} characters")
-    return compiled.search(text) is not None
+    return compiled.search(str(text))
 
 
 def matches(text: Any, pattern: Any) -> bool:
@@ -421,7 +327,7 @@ _DURATION_UNITS: Final = {
     "m": 60.0,
     "h": 3600.0,
 }
-_DURATION_PART: Final = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
 # CEL's duration range: about +-10,000 years.
 _MAX_DURATION_S: Final = 315_576_000_000.0
 

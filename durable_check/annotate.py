@@ -213,7 +213,8 @@ def waiting(
         extra[WAIT_TIMEOUT_S] = _timeout(timeout_s)
     if plan_version is not None:
         extra[PLAN_VERSION] = _plan(plan_version)
-    kind = "approval" if state == "awaiting_approval" else "external_read"
+    # The wait itself reads nothing and changes nothing: a neutral kind (the answer is its own action).
+    kind = "approval" if state == "awaiting_approval" else "tool_call"
     _emit(f"wait {wait_id}", _fields(session_id=session_id, action_id=wait_id, kind=kind, extra=extra), tracer_provider)
 
 

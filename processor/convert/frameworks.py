@@ -81,7 +81,7 @@ def _short(value: Any) -> str | None:
 def _wait(tool: str, call: str, state: str, options: ConvertOptions, time_ns: int) -> Derived:
     fields: dict[str, Any] = {
         "action_id": f"approval:{tool}:{call}" if state == "awaiting_approval" else f"wait:{tool}:{call}",
-        "kind": "approval" if state == "awaiting_approval" else "external_read",
+        "kind": "approval" if state == "awaiting_approval" else "tool_call",
         "workflow_state": state,
         "plan_version": call,
     }

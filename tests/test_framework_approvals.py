@@ -368,3 +368,41 @@ def _fake_key() -> Iterator[None]:
         del os.environ["OPENAI_API_KEY"]
     else:
         os.environ["OPENAI_API_KEY"] = old
+
+
+# -- what a resume value says ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("resume", "decision"), [
+    ('"approve"', "granted"), ('"Reject"', "denied"), ("true", "granted"), ("false", "denied"),
+    ('{"approved": false}', "denied"), ('{"type": "accept"}', "granted"),
+    ('{"decisions": [{"type": "approve"}, {"type": "reject"}]}', "denied"),
+    ('"Paris, please"', None),
+])
+def test_a_langgraph_resume_value_as_decision(resume: str, decision: str | None) -> None:
+    from tests.serve_support import make_request
+
+    command = '{"graph": null, "update": null, "resume": ' + resume + ', "goto": []}'
+    request = make_request({"openinference.span.kind": "CHAIN", "input.value": command, "session.id": "th-9",
+                            "metadata": '{"thread_id": "th-9"}'})
+    [action] = SpanConverter().convert(request, "test").actions
+    assert action.record["session_id"] == "th-9" and action.record["kind"] == "approval"
+    if decision is None:
+        assert "approval_decision" not in action.record and action.record["workflow_state"] == "executing"
+    else:
+        assert action.record["approval_decision"] == decision
+
+
+def test_oversized_or_broken_payloads_are_not_parsed() -> None:
+    from tests.serve_support import make_request
+
+    huge = '{"graph": null, "resume": "approve", "pad": "' + "x" * 70_000 + '"}'
+    broken = '{"graph": null, "resume": "appro'
+    deferred = '{"calls": [], "approvals": [{"tool_name": "t", "tool_call_id": "c"' + "]" * 3
+    request = make_request(
+        {"openinference.span.kind": "CHAIN", "input.value": huge, "metadata": '{"thread_id": "a"}'},
+        {"openinference.span.kind": "CHAIN", "input.value": broken, "metadata": '{"thread_id": "a"}'},
+        {"gen_ai.operation.name": "invoke_agent", "final_result": deferred},
+    )
+    result = SpanConverter().convert(request, "test")
+    assert result.actions == [] and result.rejected == [] and result.spans_not_actions == 3

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from processor.configfmt import Duration
 from processor.errors import Problem
 from processor.records import NEVER_CACHEABLE_KINDS, NONDETERMINISTIC_KINDS, SIDE_EFFECT_KINDS
 
@@ -56,6 +57,17 @@ class ConvertOptions:
     openllmetry: bool = True
     tool_kinds: Sequence[ToolKindRule] = DEFAULT_TOOL_KINDS
     telemetry_is_log: bool = False
+    # Approvals and waits shown in pydantic-ai and LangGraph spans (see convert/frameworks.py).
+    framework_approvals: bool = True
+    # The deadline given to those waits: the frameworks set none, so without it DS106 says so.
+    approval_wait_timeout: Duration | None = None
+    # A LangGraph step of a run with a thread id (a checkpointer) counts as a checkpoint when it ends.
+    langgraph_checkpoints: bool = True
+    # A LangGraph resume value (Command(resume=...)) that reads as a decision.
+    approval_grant_words: Sequence[str] = (
+        "approve", "approved", "accept", "accepted", "yes", "y", "grant", "granted", "ok",
+    )
+    approval_deny_words: Sequence[str] = ("reject", "rejected", "deny", "denied", "no", "n", "decline", "declined")
 
     def validate(self, path: str) -> list[Problem]:
         """Every problem, each named by its config path (``<path>.tool_kinds[2].kind``)."""

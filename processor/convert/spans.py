@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from processor.convert import frameworks
 from processor.convert.classify import ToolClassifier
 from processor.convert.links import lang_chain_call_id, offered_tool_calls
 from processor.convert.options import ConvertOptions
@@ -66,6 +67,8 @@ _NAME_LIMIT: Final = 200
 # Distinct attribute orders remembered by _field_order; a bound against adversarial input.
 _ORDERS_LIMIT: Final = 1024
 # The event name's bytes not followed by "." (see _may_hold_durable_events).
+# Records a framework's span implies (convert/frameworks.py) are numbered from here, past any event index.
+_DERIVED_INDEX: Final = 1 << 24
 _DURABLE_EVENT_NAME_ALONE: Final = re.compile(re.escape(DURABLE_EVENT_NAME.encode()) + rb"(?!\.)")
 
 
@@ -115,6 +118,9 @@ class SpanConverter:
         wanted = set(self._durable_keys)
         for profile in self._profiles:
             wanted |= profile.keys
+        self._frameworks = self.options.framework_approvals or self.options.langgraph_checkpoints
+        if self._frameworks:
+            wanted |= frameworks.KEYS
         self._wanted = frozenset(wanted)
         self._resource_wanted = frozenset(wanted | RESOURCE_KEYS)
         self._verdicts = tuple(profile.verdict for profile in self._profiles)
@@ -307,8 +313,14 @@ class SpanConverter:
             if verdict is not None and verdict.kind == CONTAINER:
                 verdict = None
 
+        reading = frameworks.NOTHING
+        if self._frameworks and not frameworks.KEYS.isdisjoint(found):
+            reading = frameworks.read(found, span, self.options)
+            if reading.suppress_span:
+                verdict = None
+
         has_events = events and self.options.durable and len(span.events) > 0
-        if not (marked or verdict is not None or has_events):
+        if not (marked or verdict is not None or has_events or reading.derived):
             if found or resource.names_session:
                 self._mark_session(span, own, found, resource, out)
             return False
@@ -351,6 +363,24 @@ class SpanConverter:
             )
             if isinstance(item, Action):
                 item.links = links
+            _append(out, item)
+            appended = True
+
+        for number, derived in enumerate(reading.derived):
+            item = self._build(
+                span,
+                resource=resource,
+                origin=origin,
+                own=derived.fields,
+                problems=[],
+                verdict=None,
+                session=session,
+                action_id=derived.fields["action_id"],
+                default_status="ok",
+                time_ns=derived.time_ns,
+                index=_DERIVED_INDEX + number,
+                seq=seq_start + len(out.actions),
+            )
             _append(out, item)
             appended = True
 

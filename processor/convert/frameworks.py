@@ -1,0 +1,217 @@
+"""Approvals, waits and checkpoints that agent frameworks show only in their own way.
+
+pydantic-ai ends a run that needs approval with a ``DeferredToolRequests`` result (the
+``final_result`` of its ``invoke_agent`` span); LangGraph's ``interrupt()`` leaves a
+``GraphInterrupt`` exception event on the interrupted tool's span, a
+``Command(resume=...)`` is the input of the next run's root span, and a graph run
+with a checkpointer names its thread and checkpoint namespace in every node span's
+metadata. None of that is a ``durable.*`` attribute; this module turns it into the
+records the session rules read: a wait (``workflow_state: awaiting_approval``, named
+``approval:<tool>:<call>``, plan = the call), a decision (``approval_decision``) and a
+checkpoint after each LangGraph step.
+
+Payloads are parsed only when a cheap prefix test says they have the expected shape,
+and only up to a size bound; nothing read is copied into a record except ids and names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+from processor.convert.options import ConvertOptions
+from processor.convert.profiles import (
+    GENAI_OPERATION,
+    OI_SPAN_KIND,
+    OI_TOOL_NAME,
+    AnyValue,
+    text,
+)
+
+PYDANTIC_AI_FINAL_RESULT: Final = "final_result"
+OI_INPUT_VALUE: Final = "input.value"
+OI_METADATA: Final = "metadata"
+KEYS: Final = frozenset({PYDANTIC_AI_FINAL_RESULT, OI_INPUT_VALUE, OI_METADATA})
+
+# Payloads past this size are not parsed: a deferred-tools result or a resume command is small.
+_PARSE_LIMIT: Final = 64 * 1024
+_INTERRUPT_TYPE: Final = "GraphInterrupt"
+_INTERRUPT_ID: Final = re.compile(r"\bid='([0-9A-Za-z_-]{1,128})'")
+# How LangGraph's Command serialises: every field is present, resume among them.
+_COMMAND_PREFIX: Final = '{"graph": '
+_ID_LIMIT: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """A record a framework's span implies: its fields (action id and kind included) and when it happened."""
+
+    fields: dict[str, Any]
+    time_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What the frameworks' conventions say about a span."""
+
+    derived: tuple[Derived, ...] = ()
+    # The span's own action did not happen (an interrupted tool waits instead of running).
+    suppress_span: bool = False
+
+
+NOTHING: Final = Reading()
+
+
+def _loads(value: AnyValue | None, prefix: str) -> Any:
+    raw = text(value) if value is not None else None
+    if not raw or len(raw) > _PARSE_LIMIT or not raw.startswith(prefix):
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _short(value: Any) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value) <= _ID_LIMIT else None
+
+
+def _wait(tool: str, call: str, state: str, options: ConvertOptions, time_ns: int) -> Derived:
+    fields: dict[str, Any] = {
+        "action_id": f"approval:{tool}:{call}" if state == "awaiting_approval" else f"wait:{tool}:{call}",
+        "kind": "approval" if state == "awaiting_approval" else "tool_call",
+        "workflow_state": state,
+        "plan_version": call,
+    }
+    if options.approval_wait_timeout is not None and options.approval_wait_timeout > 0:
+        fields["wait_timeout_s"] = float(options.approval_wait_timeout)
+    return Derived(fields, time_ns)
+
+
+def _pydantic_ai_deferred(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Reading:
+    """A run that ended with DeferredToolRequests: one wait per call awaiting approval or an external result."""
+    result = _loads(found.get(PYDANTIC_AI_FINAL_RESULT), "{")
+    if not isinstance(result, dict) or not isinstance(result.get("approvals"), list):
+        return NOTHING
+    derived: list[Derived] = []
+    time_ns = span.end_time_unix_nano or span.start_time_unix_nano
+    for key, state in (("approvals", "awaiting_approval"), ("calls", "waiting_on_external")):
+        calls = result.get(key)
+        if not isinstance(calls, list):
+            continue
+        for call in calls:
+            if not isinstance(call, dict):
+                continue
+            tool, call_id = _short(call.get("tool_name")), _short(call.get("tool_call_id"))
+            if tool and call_id:
+                derived.append(_wait(tool, call_id, state, options, time_ns))
+    return Reading(tuple(derived))
+
+
+def _interrupt_id(span: Any) -> str | None:
+    """The id of the LangGraph interrupt recorded on the span, or None when it was not interrupted."""
+    for event in span.events:
+        if event.name != "exception":
+            continue
+        kind = message = ""
+        for kv in event.attributes:
+            if kv.key == "exception.type":
+                kind = text(kv.value) or ""
+            elif kv.key == "exception.message":
+                message = text(kv.value) or ""
+        if kind.rsplit(".", 1)[-1] == _INTERRUPT_TYPE:
+            match = _INTERRUPT_ID.search(message[:_PARSE_LIMIT])
+            return match.group(1) if match else span.span_id.hex()
+    return None
+
+
+def _decision(resume: Any, options: ConvertOptions) -> str | None:
+    """granted / denied when the resume value reads as one (a word, a boolean, or a dict naming it)."""
+    if isinstance(resume, bool):
+        return "granted" if resume else "denied"
+    if isinstance(resume, str):
+        word = resume.strip().lower()
+        if word in options.approval_grant_words:
+            return "granted"
+        if word in options.approval_deny_words:
+            return "denied"
+        return None
+    if isinstance(resume, dict):
+        for key in ("approved", "approve"):
+            if isinstance(resume.get(key), bool):
+                return "granted" if resume[key] else "denied"
+        for key in ("decision", "type", "action"):
+            if key in resume:
+                return _decision(resume[key], options)
+        decisions = resume.get("decisions")
+        if isinstance(decisions, list) and decisions:
+            found = {_decision(d, options) for d in decisions}
+            return "denied" if "denied" in found else ("granted" if found == {"granted"} else None)
+    return None
+
+
+def _langgraph_resume(found: dict[str, AnyValue], span: Any, options: ConvertOptions, thread: str | None) -> Reading:
+    command = _loads(found.get(OI_INPUT_VALUE), _COMMAND_PREFIX)
+    if not isinstance(command, dict) or "resume" not in command or command.get("resume") is None:
+        return NOTHING
+    resume = command["resume"]
+    keyed = isinstance(resume, dict) and resume and all(_INTERRUPT_ID.fullmatch(f"id='{k}'") for k in resume)
+    answers = list(resume.items()) if keyed and all(len(k) == 32 for k in resume) else [(None, resume)]
+    derived: list[Derived] = []
+    time_ns = span.start_time_unix_nano
+    for index, (interrupt, value) in enumerate(answers):
+        decision = _decision(value, options)
+        base = f"resume:{thread or span.trace_id.hex()}:{span.span_id.hex()}"
+        fields: dict[str, Any] = {"action_id": f"{base}:{interrupt or index}", "kind": "approval"}
+        if decision is not None:
+            fields["approval_decision"] = decision
+        else:
+            fields["workflow_state"] = "executing"  # an answer that is no decision still ends the wait
+        if interrupt:
+            fields["plan_version"] = interrupt
+        derived.append(Derived(fields, time_ns))
+    return Reading(tuple(derived))
+
+
+def _metadata(found: dict[str, AnyValue]) -> dict[str, Any] | None:
+    meta = _loads(found.get(OI_METADATA), "{")
+    return meta if isinstance(meta, dict) else None
+
+
+def read(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Reading:
+    """The framework records ``span`` implies (``found``: its attributes of the keys this module reads)."""
+    if not options.framework_approvals and not options.langgraph_checkpoints:
+        return NOTHING
+    if options.framework_approvals and PYDANTIC_AI_FINAL_RESULT in found:
+        operation = found.get(GENAI_OPERATION)
+        if operation is not None and text(operation) == "invoke_agent":
+            return _pydantic_ai_deferred(found, span, options)
+    span_kind = found.get(OI_SPAN_KIND)
+    if span_kind is None or OI_METADATA not in found:
+        return NOTHING
+    kind = (text(span_kind) or "").upper()
+    meta = _metadata(found)
+    if meta is None:
+        return NOTHING
+    thread = _short(meta.get("thread_id"))
+    if options.framework_approvals and kind == "TOOL" and len(span.events) > 0:
+        interrupt = _interrupt_id(span)
+        if interrupt is not None:
+            tool = found.get(OI_TOOL_NAME)
+            name = (text(tool) if tool is not None else None) or span.name
+            time_ns = span.end_time_unix_nano or span.start_time_unix_nano
+            return Reading((_wait(name, interrupt, "awaiting_approval", options, time_ns),), suppress_span=True)
+    if kind not in ("CHAIN", "AGENT"):
+        return NOTHING
+    if options.framework_approvals and "langgraph_node" not in meta:
+        reading = _langgraph_resume(found, span, options, thread)
+        if reading.derived:
+            return reading
+    if options.langgraph_checkpoints and thread and meta.get("langgraph_node") == span.name and span.end_time_unix_nano:
+        namespace = _short(meta.get("langgraph_checkpoint_ns")) or span.span_id.hex()
+        if _interrupt_id(span) is None:
+            fields = {"action_id": f"checkpoint:{thread}:{namespace}", "kind": "checkpoint", "result": True}
+            return Reading((Derived(fields, span.end_time_unix_nano),))
+    return NOTHING

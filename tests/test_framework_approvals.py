@@ -1,0 +1,408 @@
+"""Approvals, waits and checkpoints of real agent frameworks, run offline, traced and checked.
+
+pydantic-ai runs on its FunctionModel; LangGraph (with OpenInference's langchain
+instrumentor) and the OpenAI Agents SDK (with OpenInference's instrumentor) talk to a
+local fake OpenAI server. Each scenario is checked with the shipped rules on what
+the converter made of the real spans.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import agents
+import pytest
+from langchain_core.tools import InjectedToolCallId, tool
+from langchain_openai import ChatOpenAI
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.prebuilt import create_react_agent
+from langgraph.types import Command, interrupt
+from openai import AsyncOpenAI
+from openinference.instrumentation.langchain import LangChainInstrumentor
+from openinference.instrumentation.openai_agents import OpenAIAgentsInstrumentor
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, RunContext, ToolDenied
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.models.instrumented import InstrumentationSettings
+
+from durable_check import annotate
+from processor.config import Config
+from processor.convert.options import ConvertOptions
+from processor.convert.spans import SpanConverter
+from processor.evaluate.engine import Engine, EngineOptions
+from processor.records import Action
+from tests._engine_util import shipped
+from tests.fake_openai_server import Script, fake_openai
+from tests.serve_support import keys_of, read_jsonl, replay_keys, running, serve_config, wait_for
+
+_lock = threading.Lock()  # instrumentation is process-wide: one framework run at a time
+WAIT = 3600.0
+
+
+class Traced:
+    def __init__(self) -> None:
+        self.memory = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.memory))
+
+    def request(self) -> Any:
+        return encode_spans(self.memory.get_finished_spans())
+
+    def actions(self, options: ConvertOptions | None = None) -> list[Action]:
+        result = SpanConverter(options or ConvertOptions(approval_wait_timeout=WAIT)).convert(self.request(), "test")
+        assert result.rejected == []
+        return result.actions
+
+
+# What these tests are about; DS001 (a model reply is not a durably recorded result unless
+# telemetry is the log) fires on every framework's model calls and is tested elsewhere.
+RULES = frozenset({"DS002", "DS009", "DS101", "DS105", "DS106", "DS107", "DS108", "DS109", "DS110"})
+
+
+def verdicts(actions: Sequence[Action]) -> list[tuple[str, str]]:
+    engine = Engine(shipped(), EngineOptions())
+    out = engine.submit_many(actions) + engine.finish()
+    return sorted((v.rule, v.action_id) for v in out if v.rule in RULES)
+
+
+def records(actions: Sequence[Action], kind: str) -> list[dict[str, Any]]:
+    return [a.record for a in actions if a.record["kind"] == kind]
+
+
+# -- pydantic-ai -------------------------------------------------------------------------------
+
+
+def _pydantic_refund(traced: Traced, approve: bool, *, decided: str, conversation: str = "conv-1") -> list[str]:
+    """A refund tool that needs approval; ``approve`` is what the code hands to pydantic-ai,
+    ``decided`` what the human said (recorded with the annotate helper). Returns the refunds made."""
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if any(isinstance(part, ToolReturnPart) for part in messages[-1].parts):
+            return ModelResponse(parts=[TextPart("done")])
+        return ModelResponse(parts=[ToolCallPart("refund_payment", {"order_id": "42"}, tool_call_id="call-1")])
+
+    refunds: list[str] = []
+    agent = Agent(FunctionModel(model), name="refunder", output_type=[str, DeferredToolRequests])
+
+    @agent.tool(requires_approval=True)
+    def refund_payment(ctx: RunContext[None], order_id: str) -> str:
+        # The gated call carries out the approved plan: its call id.
+        annotate.set_plan(str(ctx.tool_call_id))
+        annotate.set_idempotency_key(f"refund-{order_id}")
+        refunds.append(order_id)
+        return "refunded"
+
+    with _lock:
+        Agent.instrument_all(InstrumentationSettings(tracer_provider=traced.provider))
+        try:
+            first = agent.run_sync("refund 42", conversation_id=conversation)
+            assert isinstance(first.output, DeferredToolRequests)
+            call = first.output.approvals[0]
+            annotate.approval_decision(call.tool_call_id, "granted" if decided == "granted" else "denied",
+                                       tool=call.tool_name, session_id=conversation,
+                                       tracer_provider=traced.provider)
+            results = DeferredToolResults(approvals={call.tool_call_id: True if approve else ToolDenied("no")})
+            agent.run_sync(message_history=first.all_messages(), deferred_tool_results=results,
+                           conversation_id=conversation)
+        finally:
+            Agent.instrument_all(False)
+    return refunds
+
+
+def test_pydantic_ai_deferred_approval_is_a_wait_naming_the_tool_and_call() -> None:
+    traced = Traced()
+    _pydantic_refund(traced, approve=True, decided="granted")
+    waits = [r for r in traced.actions() if r.record.get("workflow_state") == "awaiting_approval"]
+    assert len(waits) == 1
+    wait = waits[0].record
+    assert wait["action_id"] == "approval:refund_payment:call-1"
+    assert (wait["kind"], wait["plan_version"], wait["wait_timeout_s"], wait["session_id"]) == (
+        "approval", "call-1", WAIT, "conv-1")
+    # With no deadline configured the framework's wait has none, and DS106 says so.
+    assert ("DS106", "approval:refund_payment:call-1") in verdicts(traced.actions(ConvertOptions()))
+
+
+def test_pydantic_ai_granted_runs_the_tool_and_is_clean() -> None:
+    traced = Traced()
+    assert _pydantic_refund(traced, approve=True, decided="granted") == ["42"]
+    actions = traced.actions()
+    assert [r["action_id"] for r in records(actions, "payment")] == ["call-1"]
+    assert verdicts(actions) == [("DS110", "call-1")]  # pydantic-ai saves no checkpoint: the checker says so
+
+
+def test_pydantic_ai_denied_skips_the_tool_and_is_clean() -> None:
+    traced = Traced()
+    assert _pydantic_refund(traced, approve=False, decided="denied") == []
+    actions = traced.actions()
+    assert records(actions, "payment") == []
+    assert verdicts(actions) == []
+
+
+def test_pydantic_ai_denied_but_executed_is_ds109() -> None:
+    traced = Traced()
+    # The human said no, but the code approved the call anyway.
+    assert _pydantic_refund(traced, approve=True, decided="denied") == ["42"]
+    assert ("DS109", "call-1") in verdicts(traced.actions())
+
+
+# -- LangGraph -----------------------------------------------------------------------------------
+
+
+def _langgraph_refund(traced: Traced, answer: str, *, thread: str = "th-1", honour: bool = True,
+                      checkpointer: bool = True) -> list[str]:
+    """A ReAct agent whose refund tool calls interrupt(); the run is resumed with ``answer``.
+    ``honour=False``: the tool refunds whatever the answer was."""
+
+    refunds: list[str] = []
+
+    @tool
+    def reimburse_order(order_id: str, tool_call_id: Annotated[str, InjectedToolCallId]) -> str:
+        """Reimburse an order."""
+        answer = interrupt({"tool": "reimburse_order", "order_id": order_id})
+        if honour and answer != "approve":
+            return "not refunded"
+        # LangChain's tracer does not make the tool span current: the side effect gets its own span.
+        with annotate.action("refund", "payment", action_id=f"refund-{order_id}", plan_version=tool_call_id,
+                             idempotency_key=f"refund-{order_id}", session_id=thread,
+                             tracer_provider=traced.provider):
+            refunds.append(order_id)
+        return "refunded"
+
+    with _lock, fake_openai(Script([("reimburse_order", {"order_id": "42"})])) as url:
+        instrumentor = LangChainInstrumentor()
+        instrumentor.instrument(tracer_provider=traced.provider)
+        try:
+            llm = ChatOpenAI(model="fake-model", base_url=url, api_key="sk-fake")
+            agent = create_react_agent(llm, [reimburse_order], checkpointer=InMemorySaver() if checkpointer else None)
+            config: Any = {"configurable": {"thread_id": thread}}
+            first = agent.invoke({"messages": [("user", "refund 42")]}, config)
+            assert first["__interrupt__"]
+            if not honour:
+                # What the human said, for the plan of the call the tool ran.
+                call_id = first["messages"][-1].tool_calls[0]["id"]
+                annotate.approval_decision(call_id, "denied", tool="reimburse_order", session_id=thread,
+                                           tracer_provider=traced.provider)
+            agent.invoke(Command(resume=answer), config)
+        finally:
+            instrumentor.uninstrument()
+    return refunds
+
+
+def test_langgraph_interrupt_is_a_wait_and_resume_a_decision() -> None:
+    traced = Traced()
+    _langgraph_refund(traced, "approve")
+    actions = traced.actions()
+    waits = [a.record for a in actions if a.record.get("workflow_state") == "awaiting_approval"]
+    assert len(waits) == 1 and waits[0]["action_id"].startswith("approval:reimburse_order:")
+    assert waits[0]["session_id"] == "th-1"
+    decisions = [a.record for a in actions if "approval_decision" in a.record]
+    assert [d["approval_decision"] for d in decisions] == ["granted"]
+    # The interrupted tool span is the wait, not a tool call; the resumed one is.
+    assert len(records(actions, "tool_call")) == 1
+    assert len(records(actions, "payment")) == 1
+    assert records(actions, "checkpoint")  # a step of a checkpointed run
+
+
+def test_langgraph_granted_runs_the_tool_and_is_clean() -> None:
+    traced = Traced()
+    assert _langgraph_refund(traced, "approve") == ["42"]
+    assert verdicts(traced.actions()) == []
+
+
+def test_langgraph_without_checkpointer_awareness_is_ds110() -> None:
+    traced = Traced()
+    _langgraph_refund(traced, "approve")
+    found = verdicts(traced.actions(ConvertOptions(approval_wait_timeout=WAIT, langgraph_checkpoints=False)))
+    assert [rule for rule, _ in found] == ["DS110"]
+
+
+def test_langgraph_denied_skips_the_refund_and_is_clean() -> None:
+    traced = Traced()
+    assert _langgraph_refund(traced, "reject") == []
+    actions = traced.actions()
+    assert [d["approval_decision"] for d in actions_with(actions, "approval_decision")] == ["denied"]
+    assert verdicts(actions) == []
+
+
+def test_langgraph_denied_but_executed_is_ds109() -> None:
+    traced = Traced()
+    assert _langgraph_refund(traced, "reject", honour=False) == ["42"]
+    found = verdicts(traced.actions())
+    assert found == [("DS109", "refund-42")]
+
+
+def actions_with(actions: Sequence[Action], field: str) -> list[dict[str, Any]]:
+    return [a.record for a in actions if field in a.record]
+
+
+# -- the OpenAI Agents SDK ------------------------------------------------------------------------
+
+
+def _agents_refund(traced: Traced, approve: bool, *, decided: str, group: str = "conv-9") -> list[str]:
+    """``needs_approval``: the SDK's spans hold no trace of the interruption, so the code records
+    the wait and the decision with the annotate helper, and traces the resumed run on its own."""
+
+    refunds: list[str] = []
+
+    @agents.function_tool(needs_approval=True)
+    def refund_payment(order_id: str) -> str:
+        """Refund an order."""
+        annotate.set_session(group)
+        annotate.set_plan(f"refund-{order_id}")
+        annotate.set_idempotency_key(f"refund-{order_id}")
+        refunds.append(order_id)
+        return "refunded"
+
+    with _lock, fake_openai(Script([("refund_payment", {"order_id": "42"})])) as url:
+        agents.set_trace_processors([])
+        instrumentor = OpenAIAgentsInstrumentor()
+        instrumentor.instrument(tracer_provider=traced.provider)
+        try:
+            agents.set_default_openai_client(AsyncOpenAI(base_url=url, api_key="sk-fake"), use_for_tracing=False)
+            agents.set_default_openai_api("chat_completions")
+            agent = agents.Agent(name="refunder", instructions="refund", tools=[refund_payment], model="fake-model")
+            config = agents.RunConfig(group_id=group, workflow_name="refund")
+            first = agents.Runner.run_sync(agent, "refund 42", run_config=config)
+            state = first.to_state()
+            for item in first.interruptions:
+                plan = f"refund-{'42'}"
+                annotate.waiting(f"approval:{item.tool_name}:{plan}", state="awaiting_approval", timeout_s=WAIT,
+                                 plan_version=plan, session_id=group, tracer_provider=traced.provider)
+                annotate.approval_decision(plan, "granted" if decided == "granted" else "denied",
+                                           tool=item.tool_name, session_id=group, tracer_provider=traced.provider)
+                state.approve(item) if approve else state.reject(item)
+            # A resumed run continues the first run's SDK trace, which the instrumentor has closed.
+            with agents.trace("refund", group_id=group):
+                agents.Runner.run_sync(agent, state, run_config=config)
+        finally:
+            instrumentor.uninstrument()
+    return refunds
+
+
+@pytest.mark.parametrize(("approve", "decided", "refunded", "expected"), [
+    (True, "granted", ["42"], []),
+    (False, "denied", [], []),
+    (True, "denied", ["42"], ["DS109"]),
+])
+def test_agents_sdk_approvals(approve: bool, decided: str, refunded: list[str], expected: list[str]) -> None:
+    os.environ.setdefault("OPENAI_API_KEY", "sk-fake")
+    traced = Traced()
+    assert _agents_refund(traced, approve, decided=decided) == refunded
+    actions = [a for a in traced.actions() if a.session_id == "conv-9"]
+    found = [rule for rule, _ in verdicts(actions) if rule != "DS110"]  # the SDK saves no checkpoint
+    assert found == expected
+
+
+# -- serve: the same verdicts over OTLP, and a deadline that passes ----------------------------
+
+
+def _serve(tmp_path: Path, timeout: str, lateness: str = "5s") -> Config:
+    return serve_config(tmp_path, {
+        "convert": {"approval_wait_timeout": timeout},
+        "evaluate": {"allowed_lateness": lateness, "tick_interval": "50ms"},
+    })
+
+
+def test_pydantic_ai_over_otlp_gives_the_replay_verdicts(tmp_path: Path) -> None:
+    config = _serve(tmp_path, "1h")
+    traced = Traced()
+    _pydantic_refund(traced, approve=True, decided="denied", conversation="conv-serve")
+    request = traced.request()
+    with running(config) as server:
+        exporter = HttpSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=10)
+        exporter.export(traced.memory.get_finished_spans())
+        exporter.shutdown()
+        assert wait_for(lambda: server.worker.processed_spans >= len(traced.memory.get_finished_spans()))
+    served = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    assert ("DS109", "conv-serve", "call-1") in served
+    assert served == replay_keys([request], config)
+
+
+def test_a_framework_wait_whose_deadline_passes_is_ds107_in_serve(tmp_path: Path) -> None:
+    config = _serve(tmp_path, "1s", lateness="0s")
+    traced = Traced()
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        return ModelResponse(parts=[ToolCallPart("deploy_release", {"tag": "v2"}, tool_call_id="call-7")])
+
+    agent = Agent(FunctionModel(model), name="deployer", output_type=[str, DeferredToolRequests])
+
+    @agent.tool_plain(requires_approval=True)
+    def deploy_release(tag: str) -> str:
+        return "deployed"
+
+    with running(config) as server:
+        with _lock:
+            Agent.instrument_all(InstrumentationSettings(tracer_provider=traced.provider))
+            try:
+                agent.run_sync("ship it", conversation_id="conv-wait")
+            finally:
+                Agent.instrument_all(False)
+        exporter = HttpSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=10)
+        exporter.export(traced.memory.get_finished_spans())
+        exporter.shutdown()
+        sent = time.monotonic()
+        # Nothing else arrives: the deadline alone must bring the verdict, while the server runs.
+        assert wait_for(lambda: any(v["rule"] == "DS107" for v in read_jsonl(tmp_path / "violations.jsonl")), 15)
+        assert time.monotonic() - sent >= 0.5
+    ds107 = [v for v in read_jsonl(tmp_path / "violations.jsonl") if v["rule"] == "DS107"]
+    assert [(v["session_id"], v["action_id"]) for v in ds107] == [("conv-wait", "approval:deploy_release:call-7")]
+
+
+@pytest.fixture(autouse=True)
+def _fake_key() -> Iterator[None]:
+    old = os.environ.get("OPENAI_API_KEY")
+    os.environ["OPENAI_API_KEY"] = "sk-fake"
+    yield
+    if old is None:
+        del os.environ["OPENAI_API_KEY"]
+    else:
+        os.environ["OPENAI_API_KEY"] = old
+
+
+# -- what a resume value says ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("resume", "decision"), [
+    ('"approve"', "granted"), ('"Reject"', "denied"), ("true", "granted"), ("false", "denied"),
+    ('{"approved": false}', "denied"), ('{"type": "accept"}', "granted"),
+    ('{"decisions": [{"type": "approve"}, {"type": "reject"}]}', "denied"),
+    ('"Paris, please"', None),
+])
+def test_a_langgraph_resume_value_as_decision(resume: str, decision: str | None) -> None:
+    from tests.serve_support import make_request
+
+    command = '{"graph": null, "update": null, "resume": ' + resume + ', "goto": []}'
+    request = make_request({"openinference.span.kind": "CHAIN", "input.value": command, "session.id": "th-9",
+                            "metadata": '{"thread_id": "th-9"}'})
+    [action] = SpanConverter().convert(request, "test").actions
+    assert action.record["session_id"] == "th-9" and action.record["kind"] == "approval"
+    if decision is None:
+        assert "approval_decision" not in action.record and action.record["workflow_state"] == "executing"
+    else:
+        assert action.record["approval_decision"] == decision
+
+
+def test_oversized_or_broken_payloads_are_not_parsed() -> None:
+    from tests.serve_support import make_request
+
+    huge = '{"graph": null, "resume": "approve", "pad": "' + "x" * 70_000 + '"}'
+    broken = '{"graph": null, "resume": "appro'
+    deferred = '{"calls": [], "approvals": [{"tool_name": "t", "tool_call_id": "c"' + "]" * 3
+    request = make_request(
+        {"openinference.span.kind": "CHAIN", "input.value": huge, "metadata": '{"thread_id": "a"}'},
+        {"openinference.span.kind": "CHAIN", "input.value": broken, "metadata": '{"thread_id": "a"}'},
+        {"gen_ai.operation.name": "invoke_agent", "final_result": deferred},
+    )
+    result = SpanConverter().convert(request, "test")
+    assert result.actions == [] and result.rejected == [] and result.spans_not_actions == 3

@@ -14,15 +14,12 @@ client, and both make the official exporters retry.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
-import zlib
 from collections.abc import Callable
 from typing import Any, Final
 
 import orjson
-import zstandard
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from google.rpc import code_pb2, status_pb2
@@ -31,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from processor.config import HttpReceiverConfig
 from processor.convert.otlp_json import OtlpJsonError, decode_traces
+from processor.receive._streams import StreamEnded, TooLong, decompress_whole
 from processor.receive.otlp_common import (
     RefusalLog,
     RequestDecodeError,
@@ -76,30 +74,18 @@ def _status_response(
 
 
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """The decoded body; never more than ``limit`` bytes are inflated (no decompression bombs)."""
+    """The decoded body, every gzip member or zstd frame; never more than ``limit`` bytes are inflated."""
     if encoding in ("", "identity"):
         return body
-    if encoding == "gzip":
-        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-        try:
-            out = inflater.decompress(body, limit + 1)
-        except zlib.error as exc:
-            raise _Refused(400, f"gzip body does not decompress: {exc}") from None
-        if len(out) > limit:
-            raise _Refused(413, f"decompressed body is larger than the limit of {limit} bytes")
-        if not inflater.eof:
-            raise _Refused(400, "gzip body is truncated")
-        return out
-    if encoding == "zstd":
-        try:
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
-                out = reader.read(limit + 1)
-        except zstandard.ZstdError as exc:
-            raise _Refused(400, f"zstd body does not decompress: {exc}") from None
-        if len(out) > limit:
-            raise _Refused(413, f"decompressed body is larger than the limit of {limit} bytes")
-        return out
-    raise _Refused(415, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip, zstd or none")
+    if encoding not in ("gzip", "zstd"):
+        raise _Refused(415, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip, zstd or none")
+    try:
+        out = decompress_whole(body, encoding, limit)
+    except StreamEnded as exc:
+        raise _Refused(400, f"{encoding} body does not decompress: {exc.reason}") from None
+    if isinstance(out, TooLong):
+        raise _Refused(413, f"decompressed body is larger than the limit of {limit} bytes")
+    return out
 
 
 def build_app(

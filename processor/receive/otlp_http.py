@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from google.rpc import code_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from processor.config import HttpReceiverConfig
 from processor.convert.otlp_json import OtlpJsonError, decode_traces
@@ -56,6 +57,10 @@ _HTTP_TO_RPC: Final = {
     415: code_pb2.INVALID_ARGUMENT,
     503: code_pb2.UNAVAILABLE,
 }
+
+
+class _Disconnected(Exception):
+    """The client closed the connection before its body ended: nobody is left to answer."""
 
 
 class _Refused(Exception):
@@ -130,7 +135,13 @@ def build_app(
             encoding = request.headers.get("content-encoding", "").strip().lower()
             if encoding not in ("", "identity", "gzip", "zstd"):
                 raise _Refused(415, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip, zstd or none")
-            body = await _read_body(request, limit)
+            try:
+                body = await _read_body(request, limit)
+            except _Disconnected:
+                # A client that goes away mid-body is common (restarts, timeouts): one
+                # rate-limited line, not a traceback per connection.
+                refusals.refused("OTLP/HTTP export (client disconnected)", "the body ended early")
+                return Response(status_code=400)
             body = _decompress(body, encoding, limit)
             decode_problems: list[str] = []
             message: Any
@@ -189,11 +200,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise _Refused(413, f"body of {declared} bytes is larger than the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _Refused(413, f"body is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _Refused(413, f"body is larger than the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _Disconnected from None
     return b"".join(chunks)
 
 

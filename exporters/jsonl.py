@@ -86,10 +86,25 @@ class RotatingFile:
             self._fd = fd
         return self._fd
 
+    def looks_owned(self) -> bool:
+        """Whether the file can be ours: absent, empty, a stream, or JSON lines (a first byte ``{``).
+
+        Serve truncates and rotates its JSONL files; a file that holds anything else
+        (the state database named twice, a log of another program) is never touched.
+        """
+        if not self.path.is_file():
+            return True  # absent, or a stream (never opened for reading: a FIFO would block)
+        try:
+            with self.path.open("rb") as f:
+                first = f.read(1)
+        except FileNotFoundError:
+            return True
+        return first in (b"", b"{")
+
     def cut_torn_tail(self) -> bool:
         """Drop a last line without its newline (a crash mid-write); True if one was cut."""
-        if not self.path.is_file():
-            return False  # absent, or a device or pipe that cannot hold a torn line
+        if not self.path.is_file() or not self.looks_owned():
+            return False  # absent, a device or pipe, or not a JSONL file: nothing of ours to cut
         try:
             with self.path.open("rb+") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -206,6 +221,9 @@ class JsonlExporter:
         self._lock = threading.Lock()
         self._dedupe_ids = cfg.dedupe_ids
         self._file = RotatingFile(Path(cfg.path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync)
+        self._actions_file: RotatingFile | None = None
+        if cfg.actions and cfg.actions_path:
+            self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync)
         self._written: OrderedDict[str, None] = OrderedDict()
         try:
             self._load_written()
@@ -219,11 +237,9 @@ class JsonlExporter:
             max_queue=cfg.max_queue, batch_size=_RETRY_BATCH, policy=policy,
         )
         self.wants_actions = bool(cfg.actions and cfg.actions_path)
-        self._actions_file: RotatingFile | None = None
         self._actions_queue: RetryQueue[tuple[int, bytes]] | None = None
         self._action_seq = itertools.count()
-        if cfg.actions and cfg.actions_path:
-            self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync)
+        if self._actions_file is not None:
             self._actions_queue = RetryQueue(
                 "jsonl_actions", telemetry, self._write_queued_actions, lambda item: str(item[0]),
                 max_queue=cfg.max_queue, batch_size=_RETRY_BATCH, policy=policy,
@@ -232,6 +248,11 @@ class JsonlExporter:
     # -- start: what was written before ------------------------------------------------
 
     def _load_written(self) -> None:
+        outputs = (("exporters.jsonl.path", self._file), ("exporters.jsonl.actions_path", self._actions_file))
+        for where, output in outputs:
+            if output is not None and not output.looks_owned():
+                raise ConfigError([Problem(where, f"{output.path} holds something other than JSON lines; "
+                                                  "refusing to append to, cut or rotate it")])
         if self._file.cut_torn_tail():
             log.warning("exporter jsonl: cut a torn last line (an interrupted write) from the output file")
         # Oldest first, so that the bounded memory keeps the newest ids.

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from exporters.config import ExportersConfig
+from processor.config_paths import check_paths
 from processor.configfmt import (
     ByteSize,
     Duration,
@@ -81,12 +82,20 @@ class TLSConfig:
 
 @dataclass(slots=True)
 class AuthConfig:
-    """A shared bearer token; clients send ``authorization: Bearer <token>``. Empty: no check."""
+    """A shared bearer token; clients send ``authorization: Bearer <token>``. Absent or null: no check.
 
-    bearer_token: str = ""
+    An empty string is refused rather than read as "off": it is what ``${env:VAR}``
+    gives when VAR is set but empty, and serving without auth by accident is worse
+    than not starting.
+    """
+
+    bearer_token: str | None = None
 
     def validate(self, path: str) -> list[Problem]:
         token = self.bearer_token
+        if token == "":
+            return [Problem(f"{path}.bearer_token", "is empty (an empty ${env:...} value?); "
+                            "remove the key or set it to null to turn auth off")]
         if token and (token != token.strip() or any(c in token for c in "\r\n")):
             return [Problem(f"{path}.bearer_token", "must not contain spaces at either end or line breaks")]
         return []
@@ -396,6 +405,8 @@ def parse_config(
     convert_raw = raw.pop("convert", None)
     config = decode(Config, raw, "", problems)
     config.convert = _decode_convert(convert_raw, problems)
+    if sections is None:
+        problems.extend(check_paths(config))
     if problems:
         raise ConfigError(problems, f"invalid configuration in {where}:")
     return config

@@ -37,7 +37,7 @@ from typing import Any, Final
 
 import uvicorn
 
-from processor.config import Config
+from processor.config import AuthConfig, Config, TLSConfig
 from processor.convert.spans import SpanConverter
 from processor.errors import StateError
 from processor.pipeline import Pipeline
@@ -227,6 +227,17 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
+def describe_protection(tls: TLSConfig, auth: AuthConfig) -> str:
+    """What guards a listener, for the start-up log: an operator sees at once that auth is off."""
+    if not tls.enabled:
+        transport = "TLS off"
+    elif tls.client_ca_file:
+        transport = "TLS on, client certificates required"
+    else:
+        transport = "TLS on"
+    return f"{transport}, bearer-token auth {'on' if auth.bearer_token else 'off'}"
+
+
 def _bind(endpoint: str) -> socket.socket:
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
@@ -321,10 +332,12 @@ class Server:
         if receivers.grpc.endpoint:
             self._grpc = OTLPGrpcReceiver(receivers.grpc, self.queue, self.telemetry, self.accepting)
             self.grpc_port = await self._grpc.start()
-            logger.info("OTLP/gRPC receiver listening on %s", _with_port(receivers.grpc.endpoint, self.grpc_port))
+            logger.info("OTLP/gRPC receiver listening on %s (%s)", _with_port(receivers.grpc.endpoint, self.grpc_port),
+                        describe_protection(receivers.grpc.tls, receivers.grpc.auth))
         if receivers.http.endpoint:
             await self._start_http()
-            logger.info("OTLP/HTTP receiver listening on %s", _with_port(receivers.http.endpoint, self.http_port))
+            logger.info("OTLP/HTTP receiver listening on %s (%s)", _with_port(receivers.http.endpoint, self.http_port),
+                        describe_protection(receivers.http.tls, receivers.http.auth))
         if self.forwarder is not None:
             fwd = self.config.forward
             logger.info("processor mode: forwarding every span to %s over %s (headers: %s)",

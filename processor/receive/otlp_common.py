@@ -40,6 +40,12 @@ def count_spans(request: Any) -> int:
     return sum(len(scope_spans.spans) for rs in request.resource_spans for scope_spans in rs.scope_spans)
 
 
+def too_many_spans(spans: int, limit: int) -> str:
+    """Why a request was refused whole: the sender must split it (a retry of the same request fails again)."""
+    return (f"the request holds {spans} spans; at most {limit} are accepted per request "
+            f"(receivers.otlp.max_spans_per_request): send smaller batches")
+
+
 def bearer_token_ok(expected: str, authorization: str | None) -> bool:
     """``authorization`` is ``Bearer <expected>``; compared in constant time."""
     if authorization is None or authorization[: len(_BEARER)].lower() != _BEARER:

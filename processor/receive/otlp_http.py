@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect
 from processor.config import HttpReceiverConfig
 from processor.convert.otlp_json import OtlpJsonError, decode_traces
 from processor.receive._streams import StreamEnded, TooLong, decompress_whole
+from processor.receive.budget import BudgetSpent, ByteBudget, Claim
 from processor.receive.otlp_common import (
     RefusalLog,
     RequestDecodeError,
@@ -39,6 +40,7 @@ from processor.receive.otlp_common import (
     plain_status,
     retry_status,
     status_json,
+    too_many_spans,
 )
 from processor.receive.queue import Batch, IngestQueue, ProcessingFailed, QueueClosed, QueueFull
 from processor.telemetry import Telemetry
@@ -99,10 +101,18 @@ def build_app(
     telemetry: Telemetry,
     accepting: Callable[[], bool],
     ready: Callable[[], tuple[bool, str]],
+    *,
+    max_spans_per_request: int | None = None,
+    budget: ByteBudget | None = None,
 ) -> FastAPI:
-    """The receiver's ASGI app. ``accepting``: new data may come in; ``ready``: (ready, why not)."""
+    """The receiver's ASGI app. ``accepting``: new data may come in; ``ready``: (ready, why not).
+
+    ``budget`` is shared with the gRPC receiver in serve; alone, the app gets its own.
+    """
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     limit = int(cfg.max_request_body_size)
+    span_limit = max_spans_per_request
+    in_flight = budget if budget is not None else ByteBudget(4 * limit)
     token = cfg.auth.bearer_token
     refusals = RefusalLog(logger)
 
@@ -124,6 +134,13 @@ def build_app(
 
     @app.post("/v1/traces")
     async def traces(request: Request) -> Response:
+        claim = in_flight.claim()
+        try:
+            return await _traces(request, claim)
+        finally:
+            claim.release()
+
+    async def _traces(request: Request, claim: Claim) -> Response:
         media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         answer_media = media if media in (PROTOBUF, JSON) else JSON
         try:
@@ -136,13 +153,15 @@ def build_app(
             if encoding not in ("", "identity", "gzip", "zstd"):
                 raise _Refused(415, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip, zstd or none")
             try:
-                body = await _read_body(request, limit)
+                body = await _read_body(request, limit, claim, queue.retry_after_s)
             except _Disconnected:
                 # A client that goes away mid-body is common (restarts, timeouts): one
                 # rate-limited line, not a traceback per connection.
                 refusals.refused("OTLP/HTTP export (client disconnected)", "the body ended early")
                 return Response(status_code=400)
-            body = _decompress(body, encoding, limit)
+            if encoding not in ("", "identity"):
+                body = _decompress(body, encoding, limit)
+                _take(claim, len(body), queue.retry_after_s)
             decode_problems: list[str] = []
             message: Any
             # The protobuf bytes (decompressed) as they are, for the journal; JSON has none.
@@ -159,6 +178,9 @@ def build_app(
             telemetry.spans_received.labels("http").inc(spans)
             if spans == 0:
                 return _success(answer_media, 0, "")
+            if span_limit is not None and spans > span_limit:
+                telemetry.spans_rejected.labels("http", "too_many_spans").inc(spans)
+                raise _Refused(400, too_many_spans(spans, span_limit))
             if not accepting():
                 telemetry.spans_rejected.labels("http", "unavailable").inc(spans)
                 raise _Refused(503, str(QueueClosed()), _retry_after(queue.retry_after_s))
@@ -194,7 +216,14 @@ def _retry_after(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def _take(claim: Claim, size: int, retry_after_s: float) -> None:
+    try:
+        claim.take(size)
+    except BudgetSpent as exc:
+        raise _Refused(503, str(exc), _retry_after(retry_after_s)) from None
+
+
+async def _read_body(request: Request, limit: int, claim: Claim, retry_after_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _Refused(413, f"body of {declared} bytes is larger than the limit of {limit} bytes")
@@ -205,6 +234,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
             size += len(chunk)
             if size > limit:
                 raise _Refused(413, f"body is larger than the limit of {limit} bytes")
+            _take(claim, len(chunk), retry_after_s)
             chunks.append(chunk)
     except ClientDisconnect:
         raise _Disconnected from None

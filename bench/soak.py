@@ -371,14 +371,16 @@ class Soak:
                 self._stop.wait(0.5)
 
     def _evaluated(self) -> set[tuple[str, str]]:
+        """DS002 keys in the JSONL output and its rotated copies (default rotate_keep: 5)."""
         found: set[tuple[str, str]] = set()
-        if not self.jsonl.exists():
-            return found
-        with self.jsonl.open("rb") as handle:
-            for line in handle:
-                document = orjson.loads(line)
-                if document.get("rule") == "DS002":
-                    found.add((document["session_id"], document["action_id"]))
+        for path in [self.jsonl, *(self.jsonl.with_name(f"{self.jsonl.name}.{i}") for i in range(1, 6))]:
+            if not path.exists():
+                continue
+            with path.open("rb") as handle:
+                for line in handle:
+                    document = orjson.loads(line)
+                    if document.get("rule") == "DS002":
+                        found.add((document["session_id"], document["action_id"]))
         return found
 
 
@@ -389,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=ROOT / "bench" / "out" / "soak")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    for name in ("violations.jsonl", "state.db", "state.db-wal", "state.db-shm", "serve.log"):
-        (args.workdir / name).unlink(missing_ok=True)
+    for old in args.workdir.glob("*"):
+        if old.name.startswith(("violations.jsonl", "state.db", "serve.")):
+            old.unlink()
     result = Soak(args.workdir, args.seconds).run()
     summary = result.summary()
     summary["memory_bound_mib"] = args.memory_bound_mib

@@ -60,8 +60,13 @@ class RotatingFile:
     whole lines.
     """
 
-    def __init__(self, path: Path, max_size: int, keep: int, fsync: FsyncMode) -> None:
+    def __init__(
+        self, path: Path, max_size: int, keep: int, fsync: FsyncMode,
+        on_removed: Callable[[int], None] | None = None,
+    ) -> None:
         self.path = path
+        # Told how many lines a rotation removed with the oldest copy: never silently.
+        self.on_removed = on_removed
         self.max_size = max_size
         self.keep = keep
         self.fsync = fsync
@@ -86,10 +91,25 @@ class RotatingFile:
             self._fd = fd
         return self._fd
 
+    def looks_owned(self) -> bool:
+        """Whether the file can be ours: absent, empty, a stream, or JSON lines (a first byte ``{``).
+
+        Serve truncates and rotates its JSONL files; a file that holds anything else
+        (the state database named twice, a log of another program) is never touched.
+        """
+        if not self.path.is_file():
+            return True  # absent, or a stream (never opened for reading: a FIFO would block)
+        try:
+            with self.path.open("rb") as f:
+                first = f.read(1)
+        except FileNotFoundError:
+            return True
+        return first in (b"", b"{")
+
     def cut_torn_tail(self) -> bool:
         """Drop a last line without its newline (a crash mid-write); True if one was cut."""
-        if not self.path.is_file():
-            return False  # absent, or a device or pipe that cannot hold a torn line
+        if not self.path.is_file() or not self.looks_owned():
+            return False  # absent, a device or pipe, or not a JSONL file: nothing of ours to cut
         try:
             with self.path.open("rb+") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -168,6 +188,8 @@ class RotatingFile:
 
     def _rotate(self) -> None:
         self.close()
+        doomed = self.rotated_paths()[-1] if self.keep else self.path
+        removed = _count_lines(doomed)
         if self.keep == 0:
             self.path.unlink(missing_ok=True)
         else:
@@ -177,6 +199,8 @@ class RotatingFile:
                     os.replace(newer, older)
         if self.fsync != "never":
             self._fsync_dir()
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)
 
     def _fsync_dir(self) -> None:
         dir_fd = os.open(self.path.parent, os.O_RDONLY)
@@ -195,6 +219,15 @@ class RotatingFile:
                 os.close(fd)
 
 
+def _count_lines(path: Path) -> int:
+    """Lines in a file about to be removed (0 if absent); read in bounded chunks."""
+    try:
+        with path.open("rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except FileNotFoundError:
+        return 0
+
+
 class JsonlExporter:
     """Writes violations (and, optionally, action records) as JSON lines."""
 
@@ -205,7 +238,12 @@ class JsonlExporter:
         self._telemetry = telemetry
         self._lock = threading.Lock()
         self._dedupe_ids = cfg.dedupe_ids
-        self._file = RotatingFile(Path(cfg.path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync)
+        self._file = RotatingFile(Path(cfg.path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
+                                  self._rotated_away("violations"))
+        self._actions_file: RotatingFile | None = None
+        if cfg.actions and cfg.actions_path:
+            self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
+                                              self._rotated_away("actions"))
         self._written: OrderedDict[str, None] = OrderedDict()
         try:
             self._load_written()
@@ -219,19 +257,29 @@ class JsonlExporter:
             max_queue=cfg.max_queue, batch_size=_RETRY_BATCH, policy=policy,
         )
         self.wants_actions = bool(cfg.actions and cfg.actions_path)
-        self._actions_file: RotatingFile | None = None
         self._actions_queue: RetryQueue[tuple[int, bytes]] | None = None
         self._action_seq = itertools.count()
-        if cfg.actions and cfg.actions_path:
-            self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync)
+        if self._actions_file is not None:
             self._actions_queue = RetryQueue(
                 "jsonl_actions", telemetry, self._write_queued_actions, lambda item: str(item[0]),
                 max_queue=cfg.max_queue, batch_size=_RETRY_BATCH, policy=policy,
             )
 
+    def _rotated_away(self, output: str) -> Callable[[int], None]:
+        def removed(lines: int) -> None:
+            self._telemetry.jsonl_lines_rotated_away.labels(output).inc(lines)
+            log.warning("exporter jsonl: rotation removed the oldest %s file with %d lines "
+                        "(exporters.jsonl.rotate_keep / rotate_max_size bound what is kept)", output, lines)
+        return removed
+
     # -- start: what was written before ------------------------------------------------
 
     def _load_written(self) -> None:
+        outputs = (("exporters.jsonl.path", self._file), ("exporters.jsonl.actions_path", self._actions_file))
+        for where, output in outputs:
+            if output is not None and not output.looks_owned():
+                raise ConfigError([Problem(where, f"{output.path} holds something other than JSON lines; "
+                                                  "refusing to append to, cut or rotate it")])
         if self._file.cut_torn_tail():
             log.warning("exporter jsonl: cut a torn last line (an interrupted write) from the output file")
         # Oldest first, so that the bounded memory keeps the newest ids.

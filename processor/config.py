@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from exporters.config import ExportersConfig
+from processor.config_paths import check_paths
 from processor.configfmt import (
     ByteSize,
     Duration,
@@ -43,6 +44,7 @@ DATA_DIR = "./durable-check-data"
 _MiB = 1024 * 1024
 # Dataclass defaults must be constants, not calls.
 _16MiB = ByteSize(16 * _MiB)
+_64MiB = ByteSize(64 * _MiB)
 _256MiB = ByteSize(256 * _MiB)
 _15S = Duration(15.0)
 _1S = Duration(1.0)
@@ -84,12 +86,20 @@ class TLSConfig:
 
 @dataclass(slots=True)
 class AuthConfig:
-    """A shared bearer token; clients send ``authorization: Bearer <token>``. Empty: no check."""
+    """A shared bearer token; clients send ``authorization: Bearer <token>``. Absent or null: no check.
 
-    bearer_token: str = ""
+    An empty string is refused rather than read as "off": it is what ``${env:VAR}``
+    gives when VAR is set but empty, and serving without auth by accident is worse
+    than not starting.
+    """
+
+    bearer_token: str | None = None
 
     def validate(self, path: str) -> list[Problem]:
         token = self.bearer_token
+        if token == "":
+            return [Problem(f"{path}.bearer_token", "is empty (an empty ${env:...} value?); "
+                            "remove the key or set it to null to turn auth off")]
         if token and (token != token.strip() or any(c in token for c in "\r\n")):
             return [Problem(f"{path}.bearer_token", "must not contain spaces at either end or line breaks")]
         return []
@@ -131,9 +141,17 @@ class OTLPReceiverConfig:
 
     grpc: GrpcReceiverConfig = field(default_factory=GrpcReceiverConfig)
     http: HttpReceiverConfig = field(default_factory=HttpReceiverConfig)
+    # More spans in one request: refused whole (HTTP 400, gRPC INVALID_ARGUMENT) with the count and limit.
+    max_spans_per_request: int = 10_000
+    # Request bytes (as read and decoded) held by both receivers at once; past it: retry later.
+    max_bytes_in_flight: ByteSize = _64MiB
 
     def validate(self, path: str) -> list[Problem]:
         problems: list[Problem] = []
+        if self.max_spans_per_request < 1:
+            problems.append(Problem(f"{path}.max_spans_per_request", "must be at least 1"))
+        if self.max_bytes_in_flight < 1024:
+            problems.append(Problem(f"{path}.max_bytes_in_flight", "must be at least 1KiB"))
         if not self.grpc.endpoint and not self.http.endpoint:
             problems.append(Problem(path, "both receivers are off (empty endpoints): serve would receive nothing"))
         elif self.grpc.endpoint and self.grpc.endpoint == self.http.endpoint and not self.grpc.endpoint.endswith(":0"):
@@ -204,6 +222,9 @@ class EvaluateConfig:
     allowed_lateness: Duration = _5S
     session_idle_timeout: Duration = _7D
     max_sessions: int = 100_000
+    # Past these, one DS113 summary instead of each violation (processor.violation_caps).
+    max_violations_per_request: int = 1000
+    max_violations_per_session: int = 10_000
     tick_interval: Duration = _1S
     rule_limits: RuleLimitsConfig = field(default_factory=RuleLimitsConfig)
 
@@ -216,6 +237,9 @@ class EvaluateConfig:
                 problems.append(Problem(f"{path}.rules[{index}]", f"no such file or directory: {rule_path}"))
         if self.max_sessions < 1:
             problems.append(Problem(f"{path}.max_sessions", "must be at least 1"))
+        for name in ("max_violations_per_request", "max_violations_per_session"):
+            if getattr(self, name) < 1:
+                problems.append(Problem(f"{path}.{name}", "must be at least 1"))
         if self.tick_interval < 0.01:
             problems.append(Problem(f"{path}.tick_interval", "must be at least 10ms"))
         if self.session_idle_timeout <= 0:
@@ -430,6 +454,8 @@ def parse_config(
     convert_raw = raw.pop("convert", None)
     config = decode(Config, raw, "", problems)
     config.convert = _decode_convert(convert_raw, problems)
+    if sections is None:
+        problems.extend(check_paths(config))
     if problems:
         raise ConfigError(problems, f"invalid configuration in {where}:")
     return config

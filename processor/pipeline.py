@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from processor.evaluate.engine import Engine
     from processor.state.base import StateStore
     from processor.telemetry import Telemetry
+    from processor.violation_caps import ViolationCaps
 
 
 class Pipeline:
@@ -32,8 +33,11 @@ class Pipeline:
         exporters: Sequence[Exporter] = (),
         telemetry: Telemetry | None = None,
         engine_factory: Callable[[StateStore], Engine] | None = None,
+        caps: ViolationCaps | None = None,
     ) -> None:
         self.engine = engine
+        # Serve's caps on violations per request and per session; replay reports everything.
+        self.caps = caps
         self.exporters = list(exporters)
         self.telemetry = telemetry
         # Builds the engine again, with the same rules and options, on a store (it loads the state).
@@ -58,18 +62,22 @@ class Pipeline:
         violations = self.engine.submit_many(items)
         if self.telemetry is not None:
             self.telemetry.evaluation_seconds.observe(time.perf_counter() - started)
-        return violations
+        return self.capped(violations)
+
+    def capped(self, violations: list[Violation]) -> list[Violation]:
+        """The violations to report of one request or tick (see processor.violation_caps)."""
+        return self.caps.apply(violations) if self.caps is not None else violations
 
     def tick(self, now_ns: int) -> list[Violation]:
         """Serve's clock: fire the deadlines that passed in silence."""
-        violations = self.engine.tick(now_ns)
+        violations = self.capped(self.engine.tick(now_ns))
         self._export(violations)
         self.hand_resolutions()
         return violations
 
     def finish(self) -> list[Violation]:
         """End of a replay's input: release what was held for ordering, fire due deadlines."""
-        violations = self.engine.finish()
+        violations = self.capped(self.engine.finish())
         self._export(violations)
         self.hand_resolutions()
         return violations

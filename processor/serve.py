@@ -37,10 +37,11 @@ from typing import Any, Final
 
 import uvicorn
 
-from processor.config import Config
+from processor.config import AuthConfig, Config, TLSConfig
 from processor.convert.spans import SpanConverter
 from processor.errors import StateError
 from processor.pipeline import Pipeline
+from processor.receive.budget import ByteBudget
 from processor.receive.forward import AnnotatingHold, Forwarder, forward_headers_for_log, redact_endpoint
 from processor.receive.otlp_common import partial_success_message, rejected_span_count
 from processor.receive.otlp_grpc import OTLPGrpcReceiver
@@ -51,6 +52,7 @@ from processor.state.base import StateStore
 from processor.state.runner import DurableOptions, DurableWorker
 from processor.state.sqlstore import SqlStateStore
 from processor.telemetry import Telemetry
+from processor.violation_caps import CapLimits, ViolationCaps
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +103,12 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
     def engine_factory(on: StateStore) -> Engine:
         return Engine(ruleset, options, store=on, telemetry=telemetry)
 
-    return Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry, engine_factory)
+    caps = ViolationCaps(CapLimits(
+        per_request=config.evaluate.max_violations_per_request,
+        per_session=config.evaluate.max_violations_per_session,
+        max_sessions=config.evaluate.max_sessions,
+    ), telemetry)
+    return Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry, engine_factory, caps)
 
 
 class EvaluatorWorker:
@@ -234,6 +241,17 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
+def describe_protection(tls: TLSConfig, auth: AuthConfig) -> str:
+    """What guards a listener, for the start-up log: an operator sees at once that auth is off."""
+    if not tls.enabled:
+        transport = "TLS off"
+    elif tls.client_ca_file:
+        transport = "TLS on, client certificates required"
+    else:
+        transport = "TLS on"
+    return f"{transport}, bearer-token auth {'on' if auth.bearer_token else 'off'}"
+
+
 def _bind(endpoint: str) -> socket.socket:
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
@@ -263,6 +281,8 @@ class Server:
         self.pipeline = pipeline
         q = config.queue
         self.queue = IngestQueue(q.max_requests, q.max_spans, float(q.retry_after), telemetry)
+        # Request bytes both receivers hold at once (processor.receive.budget).
+        self.budget = ByteBudget(int(config.receivers.otlp.max_bytes_in_flight))
         self.forwarder = Forwarder(config.forward, telemetry) if config.forward.enabled else None
         hold = None
         if self.forwarder is not None:
@@ -326,12 +346,15 @@ class Server:
         self.worker.start()
         receivers = self.config.receivers.otlp
         if receivers.grpc.endpoint:
-            self._grpc = OTLPGrpcReceiver(receivers.grpc, self.queue, self.telemetry, self.accepting)
+            self._grpc = OTLPGrpcReceiver(receivers.grpc, self.queue, self.telemetry, self.accepting,
+                                          max_spans_per_request=receivers.max_spans_per_request, budget=self.budget)
             self.grpc_port = await self._grpc.start()
             logger.info("OTLP/gRPC receiver listening on %s", _with_port(receivers.grpc.endpoint, self.grpc_port))
+            logger.info("OTLP/gRPC receiver: %s", describe_protection(receivers.grpc.tls, receivers.grpc.auth))
         if receivers.http.endpoint:
             await self._start_http()
             logger.info("OTLP/HTTP receiver listening on %s", _with_port(receivers.http.endpoint, self.http_port))
+            logger.info("OTLP/HTTP receiver: %s", describe_protection(receivers.http.tls, receivers.http.auth))
         if self.forwarder is not None:
             fwd = self.config.forward
             logger.info("processor mode: forwarding every span to %s over %s (headers: %s)",
@@ -342,7 +365,8 @@ class Server:
         cfg = self.config.receivers.otlp.http
         sock = _bind(cfg.endpoint)
         self.http_port = sock.getsockname()[1]
-        app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready)
+        app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready,
+                        max_spans_per_request=self.config.receivers.otlp.max_spans_per_request, budget=self.budget)
         tls: dict[str, Any] = {}
         if cfg.tls.enabled:
             tls = {"ssl_certfile": cfg.tls.cert_file, "ssl_keyfile": cfg.tls.key_file}

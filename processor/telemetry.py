@@ -44,6 +44,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("rule_errors", "durable_check_rule_errors", "counter",
                "Records on which a rule's expression failed or overran its evaluation budget "
                "(the rule did not fire on them), by rule.", ("rule",)),
+    MetricSpec("violations_capped", "durable_check_violations_capped", "counter",
+               "Violations not reported one by one past a cap, by scope (session, request); "
+               "each cap raises one DS113 summary instead.", ("scope",)),
     # The processor's own health.
     MetricSpec("spans_received", "durable_check_spans_received", "counter",
                "Spans received, by protocol (grpc, http, file).", ("protocol",)),
@@ -63,6 +66,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Failed export attempts (each retry counts).", ("exporter",)),
     MetricSpec("exporter_dropped", "durable_check_exporter_dropped", "counter",
                "Items an exporter gave up on (retry queue full or retries exhausted).", ("exporter",)),
+    MetricSpec("jsonl_lines_rotated_away", "durable_check_jsonl_lines_rotated_away", "counter",
+               "Lines JSONL rotation removed with the oldest copy, by output (violations, actions).", ("output",)),
     MetricSpec("exporter_queue_depth", "durable_check_exporter_queue_depth", "gauge",
                "Items waiting in an exporter's retry queue.", ("exporter",)),
     MetricSpec("forward_dropped", "durable_check_forward_dropped", "counter",
@@ -94,6 +99,7 @@ class Telemetry:
     oldest_open_wait_age: Gauge
     sessions_evicted: Counter
     rule_errors: Counter
+    violations_capped: Counter
     spans_received: Counter
     spans_rejected: Counter
     spans_duplicate: Counter
@@ -103,6 +109,7 @@ class Telemetry:
     exporter_sent: Counter
     exporter_failures: Counter
     exporter_dropped: Counter
+    jsonl_lines_rotated_away: Counter
     exporter_queue_depth: Gauge
     forward_dropped: Counter
     journal_depth: Gauge

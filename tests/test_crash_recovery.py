@@ -326,12 +326,14 @@ def test_violations_whose_jsonl_write_failed_at_sigkill_are_written_once_after_r
     port = free_port()
     db = tmp_path / "state.db"
     jsonl = tmp_path / "violations.jsonl"
-    # The file's place is taken by a directory: every write fails with a real OSError.
-    jsonl.mkdir()
     settings = serve_settings(tmp_path, port, {"backend": "sqlite", "path": str(db)}, jsonl)
     serve = ServeProcess(write_config(tmp_path / "serve.yaml", settings), port, tmp_path / "serve.log")
     serve.start()
     serve.wait_ready()
+    # Once serve runs (start-up refuses a directory there), the file's place is taken by a
+    # directory: every write fails with a real OSError. The file is opened at the first write.
+    assert not jsonl.exists()
+    jsonl.mkdir()
     try:
         send_sessions(RetryingSender(lambda: port), workload(37, 6, 5, time.time_ns()))
         time.sleep(SETTLE_S)

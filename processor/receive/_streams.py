@@ -15,13 +15,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Final
 
-import zstandard
+from backports.zstd import ZstdDecompressor, ZstdError
 
 CHUNK_SIZE: Final = 1 << 20
 GZIP_MAGIC: Final = b"\x1f\x8b"
 ZSTD_MAGIC: Final = b"\x28\xb5\x2f\xfd"
-# zstd can expand a few bytes into a whole block of output; small feeds bound each step's output.
-_ZSTD_FEED: Final = 8 << 10
 
 
 class StreamEnded(Exception):
@@ -86,32 +84,61 @@ def gunzip(chunks: Iterator[bytes]) -> Iterator[bytes]:
 
 
 def unzstd(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """Every zstd frame in turn."""
-    decompressor = zstandard.ZstdDecompressor()
-    decoder = decompressor.decompressobj()
-    pending_frame = False
+    """Every zstd frame in turn, at most CHUNK_SIZE bytes per step.
+
+    A zstd block can expand a few input bytes into 128 KiB, so a bound on the input
+    fed is no bound on the output: the decoder is asked for bounded output instead.
+    """
+    decoder = ZstdDecompressor()
+    pending_frame = False  # input has been fed to a frame that has not ended yet
+    frames_done = 0
     for chunk in chunks:
-        view = memoryview(chunk)
-        offset = 0
-        while offset < len(view):
-            piece = bytes(view[offset : offset + _ZSTD_FEED])
-            offset += len(piece)
-            while piece:
-                pending_frame = True
-                try:
-                    out = decoder.decompress(piece)
-                except zstandard.ZstdError:
-                    raise StreamEnded("not valid zstd data", truncated=False) from None
-                if out:
-                    yield out
-                if decoder.eof:
-                    piece = decoder.unused_data
-                    decoder = decompressor.decompressobj()
-                    pending_frame = False
-                else:
-                    piece = b""
+        data = chunk
+        while True:
+            pending_frame = pending_frame or bool(data)
+            try:
+                out = decoder.decompress(data, CHUNK_SIZE)
+            except ZstdError:
+                reason = "data after the last zstd frame is not zstd" if frames_done else "not valid zstd data"
+                raise StreamEnded(reason, truncated=False) from None
+            data = b""
+            if out:
+                yield out
+            if decoder.eof:
+                frames_done += 1
+                data = decoder.unused_data
+                decoder = ZstdDecompressor()
+                pending_frame = bool(data)
+                if not data:
+                    break
+                continue
+            if decoder.needs_input:
+                break
     if pending_frame:
         raise StreamEnded("zstd stream truncated", truncated=True)
+
+
+def decompressed(chunks: Iterator[bytes], encoding: str) -> Iterator[bytes]:
+    """The decoded stream for a ``gzip`` or ``zstd`` encoding (anything else passes as is)."""
+    if encoding == "gzip":
+        return gunzip(chunks)
+    if encoding == "zstd":
+        return unzstd(chunks)
+    return chunks
+
+
+def decompress_whole(body: bytes, encoding: str, limit: int) -> bytes | TooLong:
+    """Every member or frame of one compressed body, or TooLong as soon as it passes ``limit``.
+
+    Unlike :func:`read_bounded` the rest is not decoded at all: a bomb costs at most
+    ``limit`` bytes of work. Raises StreamEnded for a corrupt or truncated body.
+    """
+    out = bytearray()
+    for piece in decompressed(iter((body,)) if body else iter(()), encoding):
+        out += piece
+        if len(out) > limit:
+            return TooLong(len(out))
+    return bytes(out)
 
 
 @dataclass(slots=True)

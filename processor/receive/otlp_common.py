@@ -6,6 +6,7 @@ import hmac
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 from google.protobuf import duration_pb2
@@ -37,6 +38,12 @@ def parse_protobuf(body: bytes) -> trace_service_pb2.ExportTraceServiceRequest:
 
 def count_spans(request: Any) -> int:
     return sum(len(scope_spans.spans) for rs in request.resource_spans for scope_spans in rs.scope_spans)
+
+
+def too_many_spans(spans: int, limit: int) -> str:
+    """Why a request was refused whole: the sender must split it (a retry of the same request fails again)."""
+    return (f"the request holds {spans} spans; at most {limit} are accepted per request "
+            f"(receivers.otlp.max_spans_per_request): send smaller batches")
 
 
 def bearer_token_ok(expected: str, authorization: str | None) -> bool:
@@ -97,22 +104,36 @@ class RefusalLog:
     """Logs refused requests without letting a broken client flood the log.
 
     The first refusal of each kind is logged with its reason; more of the same kind
-    within ``interval_s`` are counted and summarised with the next one logged.
+    within ``interval_s`` are counted and summarised with the next one logged, with
+    the span of time they were counted over (which may be far longer than the interval).
     """
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._logger = logger
         self._interval_s = interval_s
+        self._clock = clock
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
     def refused(self, kind: str, reason: str) -> None:
-        now = time.monotonic()
+        now = self._clock()
         last = self._last.get(kind)
         if last is not None and now - last < self._interval_s:
             self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
             return
         self._last[kind] = now
         more = self._suppressed.pop(kind, 0)
-        suffix = f" ({more} more refused the same way in the last {self._interval_s:g}s)" if more else ""
+        suffix = ""
+        if more and last is not None:
+            suffix = f" ({more} more refused the same way since the one logged {_ago(now - last)} ago)"
         self._logger.warning("%s refused: %s%s", kind, reason, suffix)
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}min"
+    return f"{seconds / 3600:.1f}h"

@@ -26,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from processor.config import GrpcReceiverConfig
+from processor.receive.budget import BudgetSpent, ByteBudget, Claim
 from processor.receive.otlp_common import (
     RefusalLog,
     RequestDecodeError,
@@ -33,6 +34,7 @@ from processor.receive.otlp_common import (
     count_spans,
     parse_protobuf,
     retry_status,
+    too_many_spans,
 )
 from processor.receive.queue import Batch, IngestQueue, ProcessingFailed, QueueClosed, QueueFull
 from processor.telemetry import Telemetry
@@ -68,8 +70,14 @@ class OTLPGrpcReceiver:
         queue: IngestQueue,
         telemetry: Telemetry,
         accepting: Callable[[], bool],
+        *,
+        max_spans_per_request: int | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self._cfg = cfg
+        self._span_limit = max_spans_per_request
+        # Shared with the HTTP receiver in serve; alone, the receiver gets its own.
+        self._budget = budget if budget is not None else ByteBudget(4 * int(cfg.max_recv_msg_size))
         self._queue = queue
         self._telemetry = telemetry
         self._accepting = accepting
@@ -122,6 +130,13 @@ class OTLPGrpcReceiver:
             await self._server.stop(grace_s)
 
     async def _export(self, body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        claim = self._budget.claim()
+        try:
+            return await self._export_claimed(body, context, claim)
+        finally:
+            claim.release()
+
+    async def _export_claimed(self, body: bytes, context: grpc.aio.ServicerContext[Any, Any], claim: Claim) -> Any:
         token = self._cfg.auth.bearer_token
         if token:
             metadata = context.invocation_metadata() or ()
@@ -129,6 +144,10 @@ class OTLPGrpcReceiver:
             if not bearer_token_ok(token, authorization):
                 self._refusals.refused("OTLP/gRPC export (UNAUTHENTICATED)", "missing or wrong bearer token")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        try:
+            claim.take(len(body))
+        except BudgetSpent as exc:
+            await self._refuse(context, 0, exc, self._queue.retry_after_s)
         try:
             request = parse_protobuf(body)
         except RequestDecodeError as exc:
@@ -138,6 +157,11 @@ class OTLPGrpcReceiver:
         self._telemetry.spans_received.labels("grpc").inc(spans)
         if spans == 0:
             return trace_service_pb2.ExportTraceServiceResponse()
+        if self._span_limit is not None and spans > self._span_limit:
+            self._telemetry.spans_rejected.labels("grpc", "too_many_spans").inc(spans)
+            message = too_many_spans(spans, self._span_limit)
+            self._refusals.refused("OTLP/gRPC export (INVALID_ARGUMENT)", message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         if not self._accepting():
             await self._refuse(context, spans, QueueClosed(), self._queue.retry_after_s)
         batch = Batch(request=request, span_count=spans, protocol="grpc", origin=ORIGIN, body=body)
@@ -157,7 +181,8 @@ class OTLPGrpcReceiver:
         self, context: grpc.aio.ServicerContext[Any, Any], spans: int, exc: Exception, retry_after_s: float
     ) -> NoReturn:
         reason = "queue_full" if isinstance(exc, QueueFull) else "unavailable"
-        self._telemetry.spans_rejected.labels("grpc", reason).inc(spans)
+        if spans:
+            self._telemetry.spans_rejected.labels("grpc", reason).inc(spans)
         status = retry_status(code_pb2.UNAVAILABLE, str(exc), retry_after_s)
         info = status.details[0].value
         await context.abort(

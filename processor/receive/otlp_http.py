@@ -14,23 +14,23 @@ client, and both make the official exporters retry.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
-import zlib
 from collections.abc import Callable
 from typing import Any, Final
 
 import orjson
-import zstandard
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from google.rpc import code_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from processor.config import HttpReceiverConfig
 from processor.convert.otlp_json import OtlpJsonError, decode_traces
+from processor.receive._streams import StreamEnded, TooLong, decompress_whole
+from processor.receive.budget import BudgetSpent, ByteBudget, Claim
 from processor.receive.otlp_common import (
     RefusalLog,
     RequestDecodeError,
@@ -40,6 +40,7 @@ from processor.receive.otlp_common import (
     plain_status,
     retry_status,
     status_json,
+    too_many_spans,
 )
 from processor.receive.queue import Batch, IngestQueue, ProcessingFailed, QueueClosed, QueueFull
 from processor.telemetry import Telemetry
@@ -60,6 +61,10 @@ _HTTP_TO_RPC: Final = {
 }
 
 
+class _Disconnected(Exception):
+    """The client closed the connection before its body ended: nobody is left to answer."""
+
+
 class _Refused(Exception):
     def __init__(self, http_status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -76,30 +81,18 @@ def _status_response(
 
 
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """The decoded body; never more than ``limit`` bytes are inflated (no decompression bombs)."""
+    """The decoded body, every gzip member or zstd frame; never more than ``limit`` bytes are inflated."""
     if encoding in ("", "identity"):
         return body
-    if encoding == "gzip":
-        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-        try:
-            out = inflater.decompress(body, limit + 1)
-        except zlib.error as exc:
-            raise _Refused(400, f"gzip body does not decompress: {exc}") from None
-        if len(out) > limit:
-            raise _Refused(413, f"decompressed body is larger than the limit of {limit} bytes")
-        if not inflater.eof:
-            raise _Refused(400, "gzip body is truncated")
-        return out
-    if encoding == "zstd":
-        try:
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
-                out = reader.read(limit + 1)
-        except zstandard.ZstdError as exc:
-            raise _Refused(400, f"zstd body does not decompress: {exc}") from None
-        if len(out) > limit:
-            raise _Refused(413, f"decompressed body is larger than the limit of {limit} bytes")
-        return out
-    raise _Refused(415, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip, zstd or none")
+    if encoding not in ("gzip", "zstd"):
+        raise _Refused(415, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip, zstd or none")
+    try:
+        out = decompress_whole(body, encoding, limit)
+    except StreamEnded as exc:
+        raise _Refused(400, f"{encoding} body does not decompress: {exc.reason}") from None
+    if isinstance(out, TooLong):
+        raise _Refused(413, f"decompressed body is larger than the limit of {limit} bytes")
+    return out
 
 
 def build_app(
@@ -108,10 +101,18 @@ def build_app(
     telemetry: Telemetry,
     accepting: Callable[[], bool],
     ready: Callable[[], tuple[bool, str]],
+    *,
+    max_spans_per_request: int | None = None,
+    budget: ByteBudget | None = None,
 ) -> FastAPI:
-    """The receiver's ASGI app. ``accepting``: new data may come in; ``ready``: (ready, why not)."""
+    """The receiver's ASGI app. ``accepting``: new data may come in; ``ready``: (ready, why not).
+
+    ``budget`` is shared with the gRPC receiver in serve; alone, the app gets its own.
+    """
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     limit = int(cfg.max_request_body_size)
+    span_limit = max_spans_per_request
+    in_flight = budget if budget is not None else ByteBudget(4 * limit)
     token = cfg.auth.bearer_token
     refusals = RefusalLog(logger)
 
@@ -133,6 +134,13 @@ def build_app(
 
     @app.post("/v1/traces")
     async def traces(request: Request) -> Response:
+        claim = in_flight.claim()
+        try:
+            return await _traces(request, claim)
+        finally:
+            claim.release()
+
+    async def _traces(request: Request, claim: Claim) -> Response:
         media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         answer_media = media if media in (PROTOBUF, JSON) else JSON
         try:
@@ -144,8 +152,16 @@ def build_app(
             encoding = request.headers.get("content-encoding", "").strip().lower()
             if encoding not in ("", "identity", "gzip", "zstd"):
                 raise _Refused(415, f"unsupported Content-Encoding {encoding[:40]!r}; use gzip, zstd or none")
-            body = await _read_body(request, limit)
-            body = _decompress(body, encoding, limit)
+            try:
+                body = await _read_body(request, limit, claim, queue.retry_after_s)
+            except _Disconnected:
+                # A client that goes away mid-body is common (restarts, timeouts): one
+                # rate-limited line, not a traceback per connection.
+                refusals.refused("OTLP/HTTP export (client disconnected)", "the body ended early")
+                return Response(status_code=400)
+            if encoding not in ("", "identity"):
+                body = _decompress(body, encoding, limit)
+                _take(claim, len(body), queue.retry_after_s)
             decode_problems: list[str] = []
             message: Any
             # The protobuf bytes (decompressed) as they are, for the journal; JSON has none.
@@ -162,6 +178,9 @@ def build_app(
             telemetry.spans_received.labels("http").inc(spans)
             if spans == 0:
                 return _success(answer_media, 0, "")
+            if span_limit is not None and spans > span_limit:
+                telemetry.spans_rejected.labels("http", "too_many_spans").inc(spans)
+                raise _Refused(400, too_many_spans(spans, span_limit))
             if not accepting():
                 telemetry.spans_rejected.labels("http", "unavailable").inc(spans)
                 raise _Refused(503, str(QueueClosed()), _retry_after(queue.retry_after_s))
@@ -197,17 +216,28 @@ def _retry_after(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def _take(claim: Claim, size: int, retry_after_s: float) -> None:
+    try:
+        claim.take(size)
+    except BudgetSpent as exc:
+        raise _Refused(503, str(exc), _retry_after(retry_after_s)) from None
+
+
+async def _read_body(request: Request, limit: int, claim: Claim, retry_after_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _Refused(413, f"body of {declared} bytes is larger than the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _Refused(413, f"body is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _Refused(413, f"body is larger than the limit of {limit} bytes")
+            _take(claim, len(chunk), retry_after_s)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _Disconnected from None
     return b"".join(chunks)
 
 

@@ -527,7 +527,7 @@ class DurableWorker:
         fresh: list[tuple[int, Violation]] = []
         try:
             with self._store.unit():
-                violations = self._pipeline.engine.tick(time.time_ns())
+                violations = self._pipeline.capped(self._pipeline.engine.tick(time.time_ns()))
                 self._outbox.add_in_unit(violations, fresh.extend)
                 self._dispatcher.confirmations_in_unit()
                 if self._ticks % _PRUNE_EVERY_TICKS == 0:

@@ -20,8 +20,12 @@ from processor.evaluate.engine import Engine, EngineOptions
 from processor.evaluate.identity import IdentityResolver, IdentityState
 from processor.records import Action
 from processor.state.base import StateStore
+from processor.state.postgres import PostgresStore
 from processor.state.sqlite import SqliteStore
 from tests._engine_util import shipped
+from tests.pg_support import fresh_database, pg_server
+
+__all__ = ["pg_server"]  # the fixture, used by name
 
 _NS = 1_000_000_000
 T0 = 1_780_000_000 * _NS
@@ -284,3 +288,21 @@ def test_a_tool_span_delivered_twice_keeps_its_call_and_leaves_the_next_one(trac
     first_id = first.context.span_id.to_bytes(8, "big").hex()
     second_id = second.context.span_id.to_bytes(8, "big").hex()
     assert tools == [(first_id, "call_a"), (first_id, "call_a"), (second_id, "call_b")]
+
+
+def test_held_spans_survive_a_restart_on_postgres(traced: Any, pg_server: str) -> None:
+    tracer, memory, clock = traced
+    agent_run(tracer, clock, {"gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": "conv-10"},
+              [("refund", {**TOOL, "durable.idempotency_key": "k1"})])  # fmt: skip
+    child, root = memory.get_finished_spans()
+    url = fresh_database(pg_server)
+    store = PostgresStore(url, replica_id="r1", lease_ttl_s=30.0)
+    first = engine(store)
+    first.submit_many(convert([child]))
+    assert sessions_of(first) == {}
+    store.close()  # the replica restarts: only what it committed remains
+    again_store = PostgresStore(url, replica_id="r1", lease_ttl_s=30.0)
+    again = engine(again_store)
+    again.submit_many(convert([root]))
+    assert sessions_of(again) == {"conv-10": {"payment": 1}}
+    again_store.close()

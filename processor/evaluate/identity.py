@@ -25,6 +25,7 @@ store persists, so serve resumes after a crash with the same traces and held act
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -113,6 +114,9 @@ class IdentityState:
         self.traces: OrderedDict[str, _Trace] = OrderedDict()
         self.held = 0
         self.max_event_ns = _NEVER
+        # (event time, seq, trace id) of held actions, earliest first; entries of actions
+        # released meanwhile are skipped when they come up. Rebuilt on load, never stored.
+        self.expiry: list[tuple[int, int, str]] = []
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -140,6 +144,8 @@ class IdentityState:
             trace.held = [_Held(_action_from_plain(a), int(received)) for a, received in body["held"]]
             state.held += len(trace.held)
             state.traces[str(trace_id)] = trace
+            state.expiry.extend((h.action.time_ns or 0, h.action.seq, str(trace_id)) for h in trace.held)
+        heapq.heapify(state.expiry)
         return state
 
 
@@ -349,6 +355,8 @@ class IdentityResolver:
     def _hold(self, trace: _Trace, action: Action, now_ns: int, out: list[Action | Malformed]) -> None:
         trace.held.append(_Held(action, now_ns))
         self.state.held += 1
+        assert action.delivery_key is not None
+        heapq.heappush(self.state.expiry, (action.time_ns or 0, action.seq, action.delivery_key[0]))
         if self.state.held > MAX_HELD:
             self._release_oldest(out)
         self._flush_forgotten(out)
@@ -365,21 +373,39 @@ class IdentityResolver:
         self._flush_forgotten(out)
 
     def _release_expired(self, watermark_ns: int, out: list[Action | Malformed]) -> None:
-        self._release_where(lambda held: (held.action.time_ns or 0) < watermark_ns, out)
+        """Release what the event-time watermark passed, found through the expiry heap (not every trace)."""
+        heap = self.state.expiry
+        if not heap or heap[0][0] >= watermark_ns:
+            return
+        due_traces: dict[str, None] = {}
+        while heap and heap[0][0] < watermark_ns:
+            due_traces[heapq.heappop(heap)[2]] = None
+        traces = self.state.traces
+        released: list[Action] = []
+        for trace_id in due_traces:
+            trace = traces.get(trace_id)
+            if trace is not None and trace.held:
+                self._release_in(trace, lambda held: (held.action.time_ns or 0) < watermark_ns, released)
+        self._emit(released, out)
 
     def _release_where(self, due: Any, out: list[Action | Malformed]) -> None:
         released: list[Action] = []
         for trace in self.state.traces.values():
-            if not trace.held:
-                continue
-            keep = [held for held in trace.held if not due(held)]
-            if len(keep) != len(trace.held):
-                trace.plain = None
-                for held in trace.held:
-                    if due(held):
-                        self._resolve(trace, held.action, final=True)
-                        released.append(held.action)
-                trace.held = keep
+            if trace.held:
+                self._release_in(trace, due, released)
+        self._emit(released, out)
+
+    def _release_in(self, trace: _Trace, due: Any, released: list[Action]) -> None:
+        keep = [held for held in trace.held if not due(held)]
+        if len(keep) != len(trace.held):
+            trace.plain = None
+            for held in trace.held:
+                if due(held):
+                    self._resolve(trace, held.action, final=True)
+                    released.append(held.action)
+            trace.held = keep
+
+    def _emit(self, released: list[Action], out: list[Action | Malformed]) -> None:
         self.state.held -= len(released)
         released.sort(key=lambda a: a.seq)
         out.extend(released)

@@ -299,6 +299,25 @@ def frames(chunks: Iterator[bytes], max_message: int) -> Iterator[Frame]:
         raise MessageCut(f"input truncated in message {index + (0 if need is not None or skip else 1)}")
 
 
+def unzstd_message(data: bytes, limit: int) -> bytes | TooLong:
+    """One zstd-compressed message (the file exporter's per-message compression), at most ``limit`` bytes.
+
+    Raises zstandard.ZstdError when ``data`` is not valid zstd or ends inside a frame.
+    """
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    out = bytearray()
+    view = memoryview(data)
+    for offset in range(0, len(view), _ZSTD_FEED):
+        out += decoder.decompress(bytes(view[offset : offset + _ZSTD_FEED]))
+        if len(out) > limit:
+            return TooLong(len(out))
+        if decoder.eof:
+            if decoder.unused_data or offset + _ZSTD_FEED < len(view):
+                raise zstandard.ZstdError("data after the end of the zstd frame")
+            return bytes(out)
+    raise zstandard.ZstdError("zstd frame cut short")
+
+
 def read_bounded(chunks: Iterator[bytes], limit: int) -> bytes | TooLong:
     """The whole stream, or TooLong once it passes ``limit`` (the rest is drained, not kept)."""
     data = bytearray()

@@ -48,6 +48,8 @@ class Collector:
     name: str = "collector"
     grpc_port: int = field(default_factory=free_port)
     health_port: int = field(default_factory=free_port)
+    # When set: the Collector's own metrics (Prometheus) on this port, for sent_spans().
+    metrics_port: int | None = None
     proc: subprocess.Popen[bytes] | None = None
     config_path: Path | None = None
 
@@ -64,8 +66,12 @@ class Collector:
         document.setdefault("extensions", {})["health_check"] = {"endpoint": f"127.0.0.1:{self.health_port}"}
         service = document.setdefault("service", {})
         service["extensions"] = ["health_check"]
-        # No metrics port of its own: several Collectors run at once on one machine.
-        service["telemetry"] = {"metrics": {"level": "none"}, "logs": {"level": "info"}}
+        # A metrics port only where asked for: several Collectors run at once on one machine.
+        metrics: dict[str, Any] = {"level": "none"}
+        if self.metrics_port is not None:
+            metrics = {"level": "normal", "readers": [{"pull": {"exporter": {"prometheus": {
+                "host": "127.0.0.1", "port": self.metrics_port}}}}]}
+        service["telemetry"] = {"metrics": metrics, "logs": {"level": "info"}}
         self.config_path = self.workdir / f"{self.name}.yaml"
         self.config_path.write_text(yaml.safe_dump(document), encoding="utf-8")
         log = (self.workdir / f"{self.name}.log").open("ab")
@@ -86,6 +92,16 @@ class Collector:
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"the Collector did not become healthy in {timeout_s}s:\n{self.log()}")
+
+    def sent_spans(self, exporter: str) -> int:
+        """Spans ``exporter`` has delivered (its own count: a span it still retries is not in it)."""
+        assert self.metrics_port is not None, "start the Collector with a metrics_port"
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5.0).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("otelcol_exporter_sent_spans") and f'exporter="{exporter}"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return int(total)
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM: the Collector drains its queues and flushes its exporters, then exits."""

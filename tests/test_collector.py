@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from processor.receive.forward import VIOLATION_RULES_ATTRIBUTE
-from tests.collector_support import Collector, build_collector, shipped_routing
+from tests.collector_support import LOADBALANCING, Collector, build_collector, shipped_routing
 from tests.durable_support import REPO, ServeProcess, serve_settings, session_steps, write_config
 from tests.pg_support import fresh_database, pg_server
 from tests.serve_support import Key, keys_of, read_jsonl, running, serve_config
@@ -120,17 +120,24 @@ def _export(endpoint: str, spans: Sequence[ReadableSpan]) -> None:
         exporter.shutdown()
 
 
-def send_rounds(endpoint: str, traces: dict[str, list[list[ReadableSpan]]], *, meanwhile: Any = None) -> None:
+def send_rounds(
+    endpoint: str, traces: dict[str, list[list[ReadableSpan]]], *, meanwhile: Any = None, delivered: Any = None
+) -> None:
     """Trace k of every session, then a pause, then trace k+1: agents taking turns.
 
-    ``meanwhile(k, i)`` runs after the i-th export of round k.
+    ``meanwhile(k, i)`` runs after the i-th export of round k; ``delivered(n)`` waits until
+    the first ``n`` spans have gone past the Collector (a turn follows the previous one).
     """
+    sent = 0
     for k in range(TRACES):
         started = time.monotonic()
         for i, session in enumerate(sorted(traces)):
             _export(endpoint, traces[session][k])
+            sent += len(traces[session][k])
             if meanwhile is not None:
                 meanwhile(k, i)
+        if delivered is not None:
+            delivered(sent)
         if k < TRACES - 1:
             time.sleep(max(0.0, PAUSE_S - (time.monotonic() - started)))
 
@@ -168,14 +175,24 @@ def one_replica(tmp_path_factory: pytest.TempPathFactory, pg_server: str) -> set
 
 
 def _routing_collector(otelcol: Path, tmp: Path, replicas: Sequence[ServeProcess]) -> Collector:
-    collector = Collector(otelcol, tmp, name="routing")
+    collector = Collector(otelcol, tmp, name="routing", metrics_port=free_port())
     config = shipped_routing(collector, [f"127.0.0.1:{r.grpc_port}" for r in replicas])
-    assert config["exporters"]["loadbalancing/durable-check"]["routing_key"] == "traceID"
-    # The per-replica exporters' retries: short, so a refused handover is retried soon.
-    config["exporters"]["loadbalancing/durable-check"]["protocol"]["otlp"]["retry_on_failure"] = {
+    exporter = config["exporters"][LOADBALANCING]
+    assert exporter["routing_key"] == "traceID"
+    # The per-replica exporters: short retries, so a refused handover is retried soon, and no
+    # queue of their own, so the exporter's sent count means delivered to a replica.
+    exporter["protocol"]["otlp"]["retry_on_failure"] = {
         "enabled": True, "initial_interval": "100ms", "max_interval": "1s", "max_elapsed_time": "120s"}
+    exporter["protocol"]["otlp"]["sending_queue"] = {"enabled": False}
     collector.start(config)
     return collector
+
+
+def _delivered_by(collector: Collector) -> Any:
+    def wait(count: int) -> None:
+        wait_until(lambda: collector.sent_spans(LOADBALANCING) >= count, timeout_s=60.0,
+                   what=f"{count} spans delivered to the replicas")
+    return wait
 
 
 def _union(tmp: Path, names: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
@@ -209,9 +226,10 @@ def test_two_replicas_behind_the_collector_find_what_one_replica_finds(
         for replica in replicas:
             replica.wait_ready()
         collector = _routing_collector(otelcol, tmp_path, replicas)
-        send_rounds(collector.endpoint, agent_traces(5, SESSIONS, TRACES, STEPS))
+        send_rounds(collector.endpoint, agent_traces(5, SESSIONS, TRACES, STEPS), delivered=_delivered_by(collector))
         time.sleep(SETTLE_S)
         assert collector.stop() == 0, collector.log()
+        assert "Dropping data" not in collector.log()
     finally:
         if collector is not None:
             collector.stop()
@@ -219,7 +237,8 @@ def test_two_replicas_behind_the_collector_find_what_one_replica_finds(
     assert codes == [0, 0], "\n".join(r.log() for r in replicas)
     found, files = _union(tmp_path, ["r1", "r2"])
     assert keys_of(found) == one_replica
-    assert all(files.values()), "trace routing must spread the sessions over both replicas"
+    sessions_of = [{d["session_id"] for d in files[name]} for name in ("r1", "r2")]
+    assert sessions_of[0] & sessions_of[1], "some sessions' traces must have reached both replicas (handed over)"
     recorded, pending = _outbox_counts(url)
     assert (recorded, pending) == (len(found), 0), "each violation recorded once and delivered"
 
@@ -254,9 +273,12 @@ def test_a_replica_killed_behind_the_collector_loses_nothing(
         for replica in (r1, r2):
             replica.wait_ready()
         collector = _routing_collector(otelcol, tmp_path, [r1, r2])
-        send_rounds(collector.endpoint, agent_traces(5, SESSIONS, TRACES, STEPS), meanwhile=r1_dies_mid_stream)
+        send_rounds(collector.endpoint, agent_traces(5, SESSIONS, TRACES, STEPS), meanwhile=r1_dies_mid_stream,
+                    delivered=_delivered_by(collector))
         time.sleep(SETTLE_S)
         assert collector.stop() == 0, collector.log()
+        log = (tmp_path / "routing.log").read_text(errors="replace")
+        assert "Dropping data" not in log
     finally:
         if collector is not None:
             collector.stop()
@@ -390,21 +412,25 @@ def test_processor_mode_forwards_every_span_through_a_restarted_collector(tmp_pa
                                                      "exporters": ["otlp/durable-check"]}}},
             })
             errors: list[BaseException] = []
+            exported = Counter[str]()
+            lock = threading.Lock()
 
-            def agent(mine: Sequence[Sequence[ReadableSpan]]) -> None:
+            def agent(endpoint: str, mine: Sequence[Sequence[ReadableSpan]]) -> None:
                 try:
                     for batch in mine:
-                        _export(upstream.endpoint if upstream else "", batch)
+                        _export(endpoint, batch)
+                        with lock:
+                            exported["batches"] += 1
                 except BaseException as exc:  # reported to the test thread
                     errors.append(exc)
 
-            agents = [threading.Thread(target=agent, args=(batches[i::4],)) for i in range(4)]
+            agents = [threading.Thread(target=agent, args=(upstream.endpoint, batches[i::4])) for i in range(4)]
             for thread in agents:
                 thread.start()
-            # The downstream Collector restarts once while spans stream through.
-            wait_until(lambda: out.exists() and out.stat().st_size > 0, timeout_s=30.0,
-                       what="the first forwarded spans downstream")
+            # The downstream Collector restarts once while the agents are still sending.
+            wait_until(lambda: exported["batches"] >= len(batches) // 4, timeout_s=60.0, what="a quarter sent")
             assert downstream.stop() == 0, downstream.log()
+            assert exported["batches"] < len(batches), "the restart must happen under load"
             downstream.start(downstream_config)
             for thread in agents:
                 thread.join(120.0)

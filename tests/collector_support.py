@@ -50,6 +50,8 @@ class Collector:
     health_port: int = field(default_factory=free_port)
     # When set: the Collector's own metrics (Prometheus) on this port, for sent_spans().
     metrics_port: int | None = None
+    # Command-line flags beside --config (e.g. --feature-gates=...).
+    flags: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     config_path: Path | None = None
 
@@ -75,7 +77,7 @@ class Collector:
         self.config_path = self.workdir / f"{self.name}.yaml"
         self.config_path.write_text(yaml.safe_dump(document), encoding="utf-8")
         log = (self.workdir / f"{self.name}.log").open("ab")
-        self.proc = subprocess.Popen([str(self.binary), "--config", str(self.config_path)],
+        self.proc = subprocess.Popen([str(self.binary), "--config", str(self.config_path), *self.flags],
                                      stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
         self.wait_ready(timeout_s)

@@ -3,8 +3,9 @@
 - Agents (the SDK's OTLP exporter) -> the Collector with the shipped routing config -> two
   ``serve`` replicas on PostgreSQL: the violations are those of one replica; with one replica
   SIGKILLed mid-stream, the other adopts its work and nothing is lost or written twice.
-- The Collector's file exporter as users configure it writes dumps that ``replay`` reads
-  with the verdicts of the live run.
+- The Collector's file exporter as users configure it (OTLP/JSON and protobuf; per-message
+  zstd, whole-file zstd behind the ``exporter.file.nativeCompression`` gate, none; with
+  rotation) writes dumps that ``replay`` reads with the verdicts of the live run.
 - Processor mode: Collector -> ``serve`` forwarding -> a second Collector -> a file: every
   span arrives unchanged but for ``durable.violation.rules``, under load, with the
   downstream Collector restarted once.
@@ -304,6 +305,12 @@ _DUMPS: dict[str, dict[str, Any]] = {
     "proto-zstd": {"format": "proto", "compression": "zstd"},
     "json-rotated": {"rotation": {"max_megabytes": 1, "max_backups": 20}},
 }
+# Written by a second Collector with the exporter.file.nativeCompression gate on: one zstd
+# stream for the whole file instead of a frame per message.
+_NATIVE_DUMPS: dict[str, dict[str, Any]] = {
+    "json-zstd-native": {"compression": "zstd"},
+    "proto-zstd-native": {"format": "proto", "compression": "zstd"},
+}
 
 
 def _replay_keys(paths: Sequence[Path]) -> set[Key]:
@@ -321,39 +328,52 @@ def test_file_exporter_dumps_replay_with_the_live_verdicts(tmp_path: Path, otelc
     dumps = tmp_path / "dumps"
     dumps.mkdir()
     config = serve_config(tmp_path, {"evaluate": {"allowed_lateness": "2s"}})
-    with running(config) as server:
-        collector = Collector(otelcol, tmp_path, name="dumping")
-        exporters: dict[str, Any] = {
-            "otlp/live": {"endpoint": f"127.0.0.1:{server.grpc_port}", "tls": {"insecure": True},
-                          "sending_queue": {"num_consumers": 1}},
-        }
-        for name, settings in _DUMPS.items():
-            exporters[f"file/{name}"] = {"path": str(dumps / name / "traces.out"), **settings}
-            (dumps / name).mkdir()
-        collector.start({
-            "receivers": collector.receiver(),
-            "processors": {"batch": {"timeout": "100ms"}},
-            "exporters": exporters,
-            "service": {"pipelines": {
-                "traces/live": {"receivers": ["otlp"], "processors": ["batch"], "exporters": ["otlp/live"]},
-                "traces/dumps": {"receivers": ["otlp"], "processors": ["batch"],
-                                 "exporters": [f"file/{name}" for name in _DUMPS]},
-            }},
-        })
-        try:
-            traces = agent_traces(7, 48, 4, 16, waits=False)
-            for k in range(4):
-                for session in sorted(traces):
-                    _export(collector.endpoint, traces[session][k])
-        finally:
-            # SIGTERM drains the live exporter's queue and flushes the files.
-            assert collector.stop() == 0, collector.log()
+    native = Collector(otelcol, tmp_path, name="native", flags=("--feature-gates=exporter.file.nativeCompression",))
+    native_exporters: dict[str, Any] = {}
+    for name, settings in _NATIVE_DUMPS.items():
+        native_exporters[f"file/{name}"] = {"path": str(dumps / name / "traces.out"), **settings}
+        (dumps / name).mkdir()
+    native.start({"receivers": native.receiver(), "exporters": native_exporters, "service": {"pipelines": {
+        "traces": {"receivers": ["otlp"], "exporters": list(native_exporters)}}}})
+    try:
+        with running(config) as server:
+            collector = Collector(otelcol, tmp_path, name="dumping")
+            exporters: dict[str, Any] = {
+                "otlp/live": {"endpoint": f"127.0.0.1:{server.grpc_port}", "tls": {"insecure": True},
+                              "sending_queue": {"num_consumers": 1}},
+                "otlp/native": {"endpoint": native.endpoint, "tls": {"insecure": True}},
+            }
+            for name, settings in _DUMPS.items():
+                exporters[f"file/{name}"] = {"path": str(dumps / name / "traces.out"), **settings}
+                (dumps / name).mkdir()
+            collector.start({
+                "receivers": collector.receiver(),
+                "processors": {"batch": {"timeout": "100ms"}},
+                "exporters": exporters,
+                "service": {"pipelines": {
+                    "traces/live": {"receivers": ["otlp"], "processors": ["batch"], "exporters": ["otlp/live"]},
+                    "traces/dumps": {"receivers": ["otlp"], "processors": ["batch"],
+                                     "exporters": [*(f"file/{name}" for name in _DUMPS), "otlp/native"]},
+                }},
+            })
+            try:
+                traces = agent_traces(7, 48, 4, 16, waits=False)
+                for k in range(4):
+                    for session in sorted(traces):
+                        _export(collector.endpoint, traces[session][k])
+            finally:
+                # SIGTERM drains the exporters' queues and flushes the files.
+                assert collector.stop() == 0, collector.log()
+    finally:
+        assert native.stop() == 0, native.log()
     live = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
     assert {rule for rule, _, _ in live} >= {"DS002", "DS110"}
-    for name in _DUMPS:
+    for name in [*_DUMPS, *_NATIVE_DUMPS]:
         files = sorted((dumps / name).iterdir())  # rotated backups (dated) sort before the current file
         head = files[0].read_bytes()[:8]
-        if "zstd" in name:
+        if "native" in name:
+            assert head[:4] == b"\x28\xb5\x2f\xfd", f"{name}: expected one zstd stream"
+        elif "zstd" in name:
             assert head[4:8] == b"\x28\xb5\x2f\xfd", f"{name}: expected length-prefixed zstd messages"
         elif name.startswith("proto"):
             assert head[4:5] == b"\n", f"{name}: expected length-prefixed protobuf"

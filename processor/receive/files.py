@@ -439,7 +439,9 @@ def _stream_message(
             return Malformed(f"message {index} is longer than {max_message} bytes once decompressed; skipped",
                              origin=origin, source="span", extra={"message_index": index})
         data = plain
-    if data.lstrip(_WHITESPACE)[:1] != b"{":
+    # JSON opens with "{" at once (the exporter writes no leading space); a protobuf request
+    # never does (0x7b would be field 15 as a group), while it may open with whitespace bytes.
+    if data[:1] != b"{":
         return _convert_message(converter, data, index, origin, seq)
     try:
         document = orjson.loads(data)

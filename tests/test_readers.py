@@ -548,3 +548,25 @@ def test_per_message_zstd_frames_as_the_file_exporter_writes_them(tmp_path: Path
     per_message = len([i for i in items if isinstance(i, Action)]) // 2
     got = [i.record for i in items if isinstance(i, Action)]
     assert got == [a.record for a in plain[:per_message]] * 2, "protobuf and OTLP/JSON frames read alike"
+
+
+def test_a_framed_protobuf_message_whose_length_byte_reads_as_a_brace(tmp_path: Path) -> None:
+    """0x0a then a length of 123 (b"{"): protobuf all the same, not OTLP/JSON."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    span = request.resource_spans.add().scope_spans.add().spans.add()
+    span.trace_id, span.span_id = b"\x01" * 16, b"\x02" * 8
+    attribute = span.attributes.add()
+    attribute.key, attribute.value.string_value = "durable.action.kind", "tool_call"
+    for size in range(1, 200):
+        span.name = "n" * size
+        data = request.SerializeToString()
+        if data[1:2] == b"{":
+            break
+    assert data[:2] == b"\n{"
+    target = tmp_path / "brace.pbstream"
+    target.write_bytes(struct.pack(">I", len(data)) + data)
+    items = _read(target)
+    assert [m.message for m in _malformed(items) if m.message.startswith("message")] == []
+    assert len(items) == 1

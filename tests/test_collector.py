@@ -399,8 +399,11 @@ def _span_key(span: trace_pb2.Span) -> tuple[bytes, bytes]:
     return bytes(span.trace_id), bytes(span.span_id)
 
 
-def _flatten(requests: Sequence[trace_service_pb2.ExportTraceServiceRequest]) -> list[tuple[Any, trace_pb2.Span]]:
-    return [(rs.resource, span) for request in requests for rs in request.resource_spans
+def _flatten(
+    requests: Sequence[trace_service_pb2.ExportTraceServiceRequest],
+) -> list[tuple[Any, Any, trace_pb2.Span]]:
+    """(resource, scope, span) of every span."""
+    return [(rs.resource, ss.scope, span) for request in requests for rs in request.resource_spans
             for ss in rs.scope_spans for span in ss.spans]
 
 
@@ -467,10 +470,9 @@ def test_processor_mode_forwards_every_span_through_a_restarted_collector(tmp_pa
             upstream.stop()
         assert downstream.stop() == 0, downstream.log()
     forwarded = _flatten([trace_service_pb2.ExportTraceServiceRequest.FromString(f) for f in _frames(out)])
-    keys = Counter(_span_key(span) for _, span in forwarded)
+    keys = Counter(_span_key(span) for _, _, span in forwarded)
     assert not [k for k, n in keys.items() if n > 1], "a span arrived twice"
-    original = {_span_key(span): (rs.resource, span) for rs_list in [encode_spans(sent).resource_spans]
-                for rs in rs_list for ss in rs.scope_spans for span in ss.spans}
+    original = {_span_key(span): (resource, scope, span) for resource, scope, span in _flatten([encode_spans(sent)])}
     assert set(keys) == set(original), f"{len(set(original) - set(keys))} span(s) never arrived"
     violations = read_jsonl(tmp_path / "violations.jsonl")
     rules_of: dict[tuple[bytes, bytes], set[str]] = {}
@@ -479,9 +481,9 @@ def test_processor_mode_forwards_every_span_through_a_restarted_collector(tmp_pa
             key = (bytes.fromhex(doc["trace_id"]), bytes.fromhex(doc["span_id"]))
             rules_of.setdefault(key, set()).add(doc["rule"])
     annotated = 0
-    for resource, span in forwarded:
-        want_resource, want_span = original[_span_key(span)]
-        assert resource == want_resource
+    for resource, scope, span in forwarded:
+        want_resource, want_scope, want_span = original[_span_key(span)]
+        assert (resource, scope) == (want_resource, want_scope)
         plain = trace_pb2.Span()
         plain.CopyFrom(span)
         kept = [kv for kv in plain.attributes if kv.key != VIOLATION_RULES_ATTRIBUTE]

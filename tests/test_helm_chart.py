@@ -531,8 +531,8 @@ def test_collector_config_routes_sessions_to_the_headless_service() -> None:
     grpc_port = next(p["port"] for p in headless["spec"]["ports"] if p["name"] == "otlp")
 
     exporter = collector["exporters"]["loadbalancing/durable-check"]
-    assert exporter["routing_key"] == "attributes"
-    assert exporter["routing_attributes"][0] == "durable.session.id"
+    # By trace, for replicas on PostgreSQL (docs/scaling.md says why).
+    assert exporter["routing_key"] == "traceID"
     assert "endpoint" not in exporter["protocol"]["otlp"], "the resolver supplies the endpoints"
     k8s = exporter["resolver"]["k8s"]
     assert k8s["service"] == f"{headless['metadata']['name']}.{headless['metadata']['namespace']}"
@@ -583,6 +583,10 @@ def test_notes_tell_where_to_point_agents() -> None:
     assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://acme-durable-check.agents:4318" in notes
     assert "acme-durable-check-headless.agents.svc.cluster.local" in notes
     assert "routing_key: attributes" in notes
+    shared = next(text for path, text in render({"mode": "deployment", "postgres": {"existingSecret": "pg"}},
+                                                name="acme", namespace="agents").items()
+                  if path.endswith("NOTES.txt"))
+    assert "routing_key: traceID" in shared and "routing_key: attributes" not in shared
 
 
 def test_deploy_doc_names_every_shipped_alert() -> None:

@@ -547,3 +547,53 @@ def test_batches_count_their_actions_and_hold_the_items_in_order(tmp_path: Path)
     assert [i.line for i in items] == list(range(1, 10_002))
     assert [i.seq for i in items if isinstance(i, Action)] == list(range(8_571))
     assert max(len(batch.items) for batch in batches) <= 4096
+
+
+def test_per_message_zstd_frames_as_the_file_exporter_writes_them(tmp_path: Path) -> None:
+    """``compression: zstd`` without the native-compression gate: each message is its own zstd frame,
+    length-prefixed, around protobuf (``format: proto``) or OTLP/JSON (``format: json``)."""
+    stream = (READERS / "spans.pbstream").read_bytes()
+    first = stream[4 : 4 + struct.unpack(">I", stream[:4])[0]]
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    as_json = otlp_json_from_request(ExportTraceServiceRequest.FromString(first))
+    limit = max(len(first), len(as_json)) + 100
+    squeeze = zstandard.ZstdCompressor()
+    cut = squeeze.compress(first)[:-3]
+    parts = [squeeze.compress(first), squeeze.compress(as_json), cut, squeeze.compress(b"{not json"),
+             squeeze.compress(first + b"\n" * limit)]
+    target = tmp_path / "traces.zst.out"
+    target.write_bytes(b"".join(struct.pack(">I", len(p)) + p for p in parts))
+    items = _read(target, max_message_bytes=limit)
+    # (The spans themselves include some the converter rejects; these are about the frames.)
+    messages = [m.message for m in _malformed(items) if m.message.startswith("message ")]
+    assert len(messages) == 3, messages
+    assert messages[0] == f"message 3: not valid zstd data ({len(cut)} bytes)"
+    assert messages[1].startswith("message 4: not valid JSON")
+    assert messages[2] == f"message 5 is longer than {limit} bytes once decompressed; skipped"
+    plain = [i for i in _read(READERS / "spans.pbstream") if isinstance(i, Action)]
+    per_message = len([i for i in items if isinstance(i, Action)]) // 2
+    got = [i.record for i in items if isinstance(i, Action)]
+    assert got == [a.record for a in plain[:per_message]] * 2, "protobuf and OTLP/JSON frames read alike"
+
+
+def test_a_framed_protobuf_message_whose_length_byte_reads_as_a_brace(tmp_path: Path) -> None:
+    """0x0a then a length of 123 (b"{"): protobuf all the same, not OTLP/JSON."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    span = request.resource_spans.add().scope_spans.add().spans.add()
+    span.trace_id, span.span_id = b"\x01" * 16, b"\x02" * 8
+    attribute = span.attributes.add()
+    attribute.key, attribute.value.string_value = "durable.action.kind", "tool_call"
+    for size in range(1, 200):
+        span.name = "n" * size
+        data = request.SerializeToString()
+        if data[1:2] == b"{":
+            break
+    assert data[:2] == b"\n{"
+    target = tmp_path / "brace.pbstream"
+    target.write_bytes(struct.pack(">I", len(data)) + data)
+    items = _read(target)
+    assert [m.message for m in _malformed(items) if m.message.startswith("message")] == []
+    assert len(items) == 1

@@ -7,10 +7,13 @@ Formats, detected from the first bytes unless named:
   (the Collector's file exporter);
 - ``otlp-json``: one such JSON document, possibly pretty-printed;
 - ``otlp-proto``: one serialized ExportTraceServiceRequest;
-- ``otlp-proto-stream``: serialized messages each preceded by its length as a 4-byte
-  big-endian integer (the Collector's file exporter with ``format: proto``).
+- ``otlp-proto-stream``: messages each preceded by its length as a 4-byte big-endian
+  integer: the Collector's file exporter with ``format: proto``, and with
+  ``compression: zstd`` in either format, where each message is compressed on its
+  own (a zstd frame per message; the payload is then protobuf or OTLP/JSON).
 
-Any of them may be gzip- or zstd-compressed (detected by magic bytes). Reading is
+Any of them may be gzip- or zstd-compressed as a whole (detected by magic bytes; the
+file exporter writes such a file with its ``exporter.file.nativeCompression`` gate). Reading is
 streaming: a bad line or message becomes a Malformed item naming its place and
 reading goes on. An input that cannot be read raises InputError: at once when it
 cannot be opened or recognised, or after the items read so far when a read fails or
@@ -46,6 +49,7 @@ from processor.receive._streams import (
     raw_chunks,
     read_bounded,
     unzstd,
+    unzstd_message,
 )
 from processor.records import STDIN_ORIGIN, Action, Malformed, SessionMark
 
@@ -185,6 +189,9 @@ def _detect(head: bytes, origin: str) -> str:
     if binary and text[:1] == b"\n":
         return "otlp-proto"
     if binary and len(text) >= 5 and text[4:5] == b"\n" and int.from_bytes(text[:4], "big") < _STREAM_LENGTH_LIMIT:
+        return "otlp-proto-stream"
+    # The file exporter's per-message compression: a length, then a zstd frame.
+    if binary and text[4:8] == ZSTD_MAGIC and int.from_bytes(text[:4], "big") < _STREAM_LENGTH_LIMIT:
         return "otlp-proto-stream"
     if binary:
         raise InputError(
@@ -422,6 +429,34 @@ def _read_proto(chunks: Iterator[bytes], origin: str, converter: SpanConverter, 
     yield from result.items
 
 
+def _stream_message(
+    converter: SpanConverter, data: bytes, index: int, origin: str, seq: int, *, max_message: int
+) -> ConvertResult | Malformed:
+    """One framed message: protobuf, or (with the exporter's compression) zstd around protobuf or OTLP/JSON."""
+    if data.startswith(ZSTD_MAGIC):
+        try:
+            plain = unzstd_message(data, max_message)
+        except StreamEnded:
+            return Malformed(f"message {index}: not valid zstd data ({len(data)} bytes)", origin=origin,
+                             source="span", extra={"message_index": index})
+        if isinstance(plain, TooLong):
+            return Malformed(f"message {index} is longer than {max_message} bytes once decompressed; skipped",
+                             origin=origin, source="span", extra={"message_index": index})
+        data = plain
+    # JSON opens with "{" at once (the exporter writes no leading space); a protobuf request
+    # never does (0x7b would be field 15 as a group), while it may open with whitespace bytes.
+    if data[:1] != b"{":
+        return _convert_message(converter, data, index, origin, seq)
+    try:
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        return Malformed(f"message {index}: {_json_error(exc)}", origin=origin, source="span",
+                         extra={"message_index": index})
+    items = list(_decoded(converter, document, origin, seq, None))
+    actions = [i for i in items if isinstance(i, Action)]
+    return ConvertResult(actions=actions, rejected=[i for i in items if isinstance(i, Malformed)], items=items)
+
+
 def _read_proto_stream(
     chunks: Iterator[bytes], origin: str, converter: SpanConverter, max_message: int
 ) -> Iterator[Batch]:
@@ -439,7 +474,7 @@ def _read_proto_stream(
                 )
                 yield Batch([too_long], 0)
                 continue
-            result = _convert_message(converter, frame.data, frame.index, origin, seq)
+            result = _stream_message(converter, frame.data, frame.index, origin, seq, max_message=max_message)
             if isinstance(result, Malformed):
                 yield Batch([result], 0)
                 continue

@@ -272,6 +272,11 @@ class MemoryViews(ViewStore):
         with self._lock:
             return len(self._sessions)
 
+    def session_ids(self) -> list[str]:
+        """Every session held, least recently active first (replay's reports list them all)."""
+        with self._lock:
+            return list(self._sessions)
+
 
 def _wait_row(d: _SessionDelta) -> dict[str, Any]:
     action = d.state_action

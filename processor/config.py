@@ -370,6 +370,8 @@ state:
 exporters:
   jsonl:
     path: {DATA_DIR}/violations.jsonl
+ui:
+  endpoint: 127.0.0.1:4319
 """
 
 

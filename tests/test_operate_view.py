@@ -211,3 +211,14 @@ def test_ui_is_off_unless_configured(tmp_path: Path) -> None:
     with running(serve_config(tmp_path, {"state": {"backend": "memory"}})) as srv:
         assert srv.ui is None
         assert srv.pipeline.views is None
+
+
+def test_ui_config_problems_name_their_paths(tmp_path: Path) -> None:
+    from processor.config import parse_config
+    from processor.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        parse_config("ui:\n  endpoint: nowhere\n  trace_url: http://jaeger/trace\n"
+                     "  tls: {cert_file: /no/such.pem}\n", "ui.yaml")
+    paths = {p.where for p in caught.value.problems}
+    assert {"ui.endpoint", "ui.trace_url", "ui.tls.key_file", "ui.tls.cert_file"} <= paths

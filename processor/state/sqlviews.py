@@ -48,10 +48,10 @@ _DDL: Final = (
     "CREATE INDEX IF NOT EXISTS view_actions_in_order ON view_actions (session_id, time_ns, seq)",
     "CREATE TABLE IF NOT EXISTS view_violations (violation_id TEXT PRIMARY KEY, session_id TEXT NOT NULL,"
     " rule TEXT NOT NULL, severity TEXT NOT NULL, created_ns {INT} NOT NULL, body {BLOB} NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS view_violations_recent ON view_violations (created_ns)",
-    "CREATE INDEX IF NOT EXISTS view_violations_by_rule ON view_violations (rule, created_ns)",
-    "CREATE INDEX IF NOT EXISTS view_violations_by_severity ON view_violations (severity, created_ns)",
-    "CREATE INDEX IF NOT EXISTS view_violations_by_session ON view_violations (session_id, created_ns)",
+    "CREATE INDEX IF NOT EXISTS view_violations_recent ON view_violations (created_ns, violation_id)",
+    "CREATE INDEX IF NOT EXISTS view_violations_by_rule ON view_violations (rule, created_ns, violation_id)",
+    "CREATE INDEX IF NOT EXISTS view_violations_by_severity ON view_violations (severity, created_ns, violation_id)",
+    "CREATE INDEX IF NOT EXISTS view_violations_by_session ON view_violations (session_id, created_ns, violation_id)",
     "CREATE TABLE IF NOT EXISTS view_rule_counts (rule TEXT NOT NULL, severity TEXT NOT NULL,"
     " n {INT} NOT NULL, PRIMARY KEY (rule, severity))",
 )
@@ -265,7 +265,7 @@ class SqlViews(ViewStore):
         condition = " AND ".join(clauses) if clauses else "1 = 1"
         rows = self._rows(
             f"SELECT body, created_ns FROM view_violations WHERE {condition}"  # noqa: S608 - columns are constants
-            " ORDER BY created_ns DESC, violation_id LIMIT ? OFFSET ?", (*params, limit, offset))
+            " ORDER BY created_ns DESC, violation_id DESC LIMIT ? OFFSET ?", (*params, limit, offset))
         return [{**orjson.loads(bytes(r[0])), "created_ns": int(r[1])} for r in rows]
 
     def rule_counts(self) -> list[dict[str, Any]]:

@@ -52,25 +52,28 @@ class ViolationFilter:
 
 
 def _text(value: Any, limit: int = 200) -> str:
-    return value[:limit] if isinstance(value, str) else ""
+    if type(value) is not str:
+        return ""
+    return value if len(value) <= limit else value[:limit]
 
 
 def action_row(action: Action) -> dict[str, Any]:
     """The fields of one action the view shows: no payload, and the key's presence, not its value."""
-    rec = action.record
-    attempt = rec.get("attempts")
+    get = action.record.get
+    attempt = get("attempts")
+    key = get("idempotency_key")
     return {
         "identity": record_identity(action),
         "time_ns": action.time_ns,
         "seq": action.seq,
-        "action_id": _text(rec.get("action_id")),
-        "kind": _text(rec.get("kind")),
-        "status": _text(rec.get("status")),
-        "workflow_state": _text(rec.get("workflow_state")),
-        "attempt": attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
-        "keyed": bool(rec.get("idempotency_key")) or rec.get("replay") == "skip",
-        "trace_id": _text(rec.get("trace_id"), 64),
-        "span_id": _text(rec.get("span_id"), 32),
+        "action_id": _text(get("action_id")),
+        "kind": _text(get("kind")),
+        "status": _text(get("status")),
+        "workflow_state": _text(get("workflow_state")),
+        "attempt": attempt if type(attempt) is int else None,
+        "keyed": bool(key) or get("replay") == "skip",
+        "trace_id": _text(get("trace_id"), 64),
+        "span_id": _text(get("span_id"), 32),
         "line": action.line,
         "origin": _text(action.origin, 300),
     }
@@ -103,20 +106,23 @@ class _SessionDelta:
 def _deltas(actions: Sequence[Action], violations: Sequence[Violation]) -> dict[str, _SessionDelta]:
     out: dict[str, _SessionDelta] = {}
     for action in actions:
-        sid = action.session_id
+        rec = action.record
+        sid = rec.get("session_id", "")
+        if type(sid) is not str:
+            sid = action.session_id
         d = out.get(sid)
         if d is None:
-            d = out[sid] = _SessionDelta(sid)
+            d = out[sid] = _SessionDelta(sid, service=_text(rec.get("service")),
+                                         trace_id=_text(rec.get("trace_id"), 64))
         d.actions += 1
         t = action.time_ns
         if t is not None:
-            d.first_ns = t if d.first_ns is None else min(d.first_ns, t)
-            d.last_ns = t if d.last_ns is None else max(d.last_ns, t)
-        rec = action.record
-        d.service = d.service or _text(rec.get("service"))
-        d.trace_id = d.trace_id or _text(rec.get("trace_id"), 64)
+            if d.first_ns is None or t < d.first_ns:
+                d.first_ns = t
+            if d.last_ns is None or t > d.last_ns:
+                d.last_ns = t
         state = rec.get("workflow_state")
-        if isinstance(state, str) and state:
+        if state and type(state) is str:
             at = t if t is not None else -1
             if at >= d.state_ns:
                 d.state, d.state_ns, d.state_action = state[:64], at, action

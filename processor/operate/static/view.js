@@ -343,9 +343,11 @@
   } else {
     window.addEventListener("popstate", route);
     route();
-    // Waits come and go: the list refreshes itself (not while the reader is filling the filter form).
+    // Waits come and go: Waiting now refreshes itself, but never under a keyboard user's focus.
     setInterval(() => {
-      if (!document.hidden && !document.activeElement?.closest("form")) route();
+      const focus = document.activeElement;
+      const idle = !focus || focus === document.body || focus.id === "main";
+      if (!document.hidden && idle && location.pathname === "/") route();
     }, 5000);
   }
 })();

@@ -116,9 +116,6 @@ class SqlViews(ViewStore):
                 " ON CONFLICT (rule, severity) DO UPDATE SET n = view_rule_counts.n + excluded.n",
                 [(rule, severity, n) for (rule, severity), n in counts.items()],
             )
-        deltas = _deltas(actions, fresh)
-        if deltas:
-            self._write_sessions(deltas)
         if actions:
             store.executemany(
                 "INSERT INTO view_actions (session_id, identity, time_ns, seq, body) VALUES (?, ?, ?, ?, ?)"
@@ -126,6 +123,10 @@ class SqlViews(ViewStore):
                 [(a.session_id, row["identity"], a.time_ns if a.time_ns is not None else 0, a.seq,
                   orjson.dumps(row)) for a, row in ((a, action_row(a)) for a in actions)],
             )
+        # After the actions: a session past its bound of kept actions drops its oldest here.
+        deltas = _deltas(actions, fresh)
+        if deltas:
+            self._write_sessions(deltas)
         self._writes += 1
         if self._writes % _PRUNE_EVERY == 0:
             self._prune_violations()

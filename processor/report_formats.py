@@ -55,8 +55,8 @@ def write_html(report: Report, views: MemoryViews, rules: RuleSet, out: TextIO) 
         "violations": violations,
         "rules": rules_json(rules),
     }
-    # "</" cannot end the script element early once escaped; the JSON is unchanged for the parser.
-    embedded = orjson.dumps(data).decode().replace("</", "<\\/")
+    # With every "<" escaped no record text can end or confuse the script element; JSON.parse reads it back.
+    embedded = orjson.dumps(data).decode().replace("<", "\\u003c")
     script = asset("view.js").replace("</", "<\\/")
     out.write(
         "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"

@@ -222,3 +222,19 @@ def test_ui_config_problems_name_their_paths(tmp_path: Path) -> None:
                      "  tls: {cert_file: /no/such.pem}\n", "ui.yaml")
     paths = {p.where for p in caught.value.problems}
     assert {"ui.endpoint", "ui.trace_url", "ui.tls.key_file", "ui.tls.cert_file"} <= paths
+
+
+@pytest.mark.parametrize("template", [
+    "http://jaeger.example:16686/trace/{trace_id}",
+    'http://grafana.example:3000/explore?left={"datasource":"tempo","queries":[{"query":"{trace_id}"}]}',
+    "http://phoenix.example:6006/projects/default/traces/{trace_id}",
+    "https://langfuse.example/trace/{trace_id}",
+])
+def test_documented_trace_url_examples_are_accepted(template: str) -> None:
+    from processor.config import parse_config
+
+    assert template in (Path(__file__).parent.parent / "docs/operate.md").read_text(encoding="utf-8").replace(
+        "JAEGER", "jaeger.example").replace("GRAFANA", "grafana.example").replace(
+        "PHOENIX", "phoenix.example").replace("http://LANGFUSE:3000", "https://langfuse.example")
+    config = parse_config(f"ui:\n  trace_url: '{template}'\n", "ui.yaml")
+    assert config.ui.trace_url == template

@@ -185,3 +185,24 @@ def test_replicas_on_postgres_each_see_every_session(pg_server: str) -> None:
             view.close()
         for store in stores:
             store.close()
+
+
+def test_idle_sessions_leave_the_sql_view_after_the_retention(tmp_path: Path) -> None:
+    from processor.state.sqlviews import _PRUNE_EVERY
+
+    store = SqliteStore(tmp_path / "state.db", synchronous="normal")
+    views = views_for(store, retention_s=60)
+    try:
+        with store.unit():
+            views.record([act("old", "w", "approval", "awaiting_approval", 0)], [], T0)
+        later = T0 + 1000 * S
+        with store.unit():
+            for i in range(_PRUNE_EVERY - 1):
+                views.record([act("new", f"a{i}", "tool_call", "executing", 1000)], [], later)
+        assert views.session("old") is None and views.session_actions("old") == []
+        assert views.waiting(later, 10, 0) == ([], 0)
+        found = views.session("new")
+        assert found is not None and found["actions"] == _PRUNE_EVERY - 1
+    finally:
+        views.close()
+        store.close()

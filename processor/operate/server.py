@@ -29,7 +29,8 @@ def attach_views(config: Config, pipeline: Pipeline, store: StateStore | None) -
     if isinstance(store, SqlStateStore):
         from processor.state.sqlviews import views_for
 
-        views = views_for(store)
+        # A session leaves the view once it has been idle as long as the engine keeps it.
+        views = views_for(store, retention_s=float(config.evaluate.session_idle_timeout))
     else:
         views = MemoryViews(max_sessions=config.evaluate.max_sessions)
     pipeline.views = views

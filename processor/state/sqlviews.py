@@ -41,6 +41,7 @@ _DDL: Final = (
     "CREATE TABLE IF NOT EXISTS view_waits (session_id TEXT PRIMARY KEY, state TEXT NOT NULL,"
     " action_id TEXT NOT NULL, kind TEXT NOT NULL, since_ns {INT}, deadline_ns {INT},"
     " service TEXT NOT NULL, trace_id TEXT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS view_sessions_by_activity ON view_sessions (last_ns)",
     "CREATE INDEX IF NOT EXISTS view_waits_by_deadline ON view_waits (deadline_ns)",
     "CREATE INDEX IF NOT EXISTS view_waits_by_since ON view_waits (since_ns)",
     "CREATE TABLE IF NOT EXISTS view_actions (session_id TEXT NOT NULL, identity TEXT NOT NULL,"
@@ -61,14 +62,18 @@ _PG_TYPES: Final = {"INT": "BIGINT", "BLOB": "BYTEA"}
 _PG_VIEWS_LOCK: Final = 0x44435657
 _CHUNK: Final = 500
 _PRUNE_EVERY: Final = 1000
+# Sessions without activity (event time) for this long leave the view with their actions and waits.
+DEFAULT_RETENTION_S: Final = 7 * 86400.0
 _SESSION_COLUMNS: Final = "session_id, first_ns, last_ns, actions, violations, state, state_ns, service, trace_id"
 
 
 class SqlViews(ViewStore):
     """The read model in the state database; ``reader`` opens the read connection."""
 
-    def __init__(self, store: SqlStateStore, reader: Callable[[], Any], *, postgres: bool) -> None:
+    def __init__(self, store: SqlStateStore, reader: Callable[[], Any], *, postgres: bool,
+                 retention_s: float = DEFAULT_RETENTION_S) -> None:
         self._store = store
+        self._retention_ns = int(retention_s * 1e9)
         self._postgres = postgres
         self._writes = 0
         types = _PG_TYPES if postgres else _SQLITE_TYPES
@@ -130,6 +135,7 @@ class SqlViews(ViewStore):
         self._writes += 1
         if self._writes % _PRUNE_EVERY == 0:
             self._prune_violations()
+            self._prune_sessions(now_ns)
 
     def _fresh(self, violations: Sequence[Violation]) -> list[Violation]:
         """The violations not yet in the view (a request evaluated again after a crash finds them again)."""
@@ -215,6 +221,14 @@ class SqlViews(ViewStore):
                     " WHERE session_id = ? ORDER BY time_ns, seq LIMIT ?)",
                     (sid, sid, kept - MAX_ACTIONS_PER_SESSION),
                 )
+
+    def _prune_sessions(self, now_ns: int) -> None:
+        """Forget sessions idle longer than the retention: the view's tables stay bounded over months."""
+        cutoff = now_ns - self._retention_ns
+        old = "SELECT session_id FROM view_sessions WHERE last_ns < ?"
+        self._store.execute(f"DELETE FROM view_actions WHERE session_id IN ({old})", (cutoff,))  # noqa: S608
+        self._store.execute(f"DELETE FROM view_waits WHERE session_id IN ({old})", (cutoff,))  # noqa: S608
+        self._store.execute("DELETE FROM view_sessions WHERE last_ns < ?", (cutoff,))
 
     def _prune_violations(self) -> None:
         rows = self._store.execute(
@@ -303,7 +317,7 @@ class SqlViews(ViewStore):
                 self._reader = None
 
 
-def views_for(store: SqlStateStore) -> SqlViews:
+def views_for(store: SqlStateStore, retention_s: float = DEFAULT_RETENTION_S) -> SqlViews:
     """The read model on a SQLite or PostgreSQL store, with its own read connection."""
     from processor.state.sqlite import SqliteStore
 
@@ -311,11 +325,12 @@ def views_for(store: SqlStateStore) -> SqlViews:
         path = store.path
 
         def sqlite_reader() -> sqlite3.Connection:
-            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False, timeout=5.0)
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
+                                   timeout=5.0)
             conn.execute("PRAGMA query_only = ON")
             return conn
 
-        return SqlViews(store, sqlite_reader, postgres=False)
+        return SqlViews(store, sqlite_reader, postgres=False, retention_s=retention_s)
     from processor.state.postgres import PostgresStore
 
     if isinstance(store, PostgresStore):
@@ -328,5 +343,5 @@ def views_for(store: SqlStateStore) -> SqlViews:
                                    options="-c statement_timeout=5000 -c default_transaction_read_only=on",
                                    application_name="durable-check view")
 
-        return SqlViews(store, pg_reader, postgres=True)
+        return SqlViews(store, pg_reader, postgres=True, retention_s=retention_s)
     raise TypeError(f"no read model for {type(store).__name__}")

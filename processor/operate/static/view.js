@@ -290,6 +290,7 @@
       const prev = el("button", { type: "button", disabled: offset === 0 }, "Previous page");
       prev.addEventListener("click", () => go(offset - limit));
       const more = total === null ? shown === limit : offset + shown < total;
+      if (offset === 0 && !more) return document.createDocumentFragment();
       const next = el("button", { type: "button", disabled: !more }, "Next page");
       next.addEventListener("click", () => go(offset + limit));
       nav.append(prev, el("span", { class: "muted" }, `${offset + 1}–${offset + shown}`), next);

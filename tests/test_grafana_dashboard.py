@@ -69,7 +69,7 @@ def test_dashboard_covers_the_issue_and_names_only_our_metrics() -> None:
                    "durable_check_spans_rejected_total", "durable_check_spans_late_total",
                    "durable_check_spans_duplicate_total", "durable_check_evaluation_seconds_bucket",
                    "durable_check_exporter_failures_total", "durable_check_journal_depth",
-                   "durable_check_outbox_pending"):
+                   "durable_check_outbox_pending", "durable_check_exporter_last_success_timestamp_seconds"):
         assert needed in used, needed
 
 

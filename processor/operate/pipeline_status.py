@@ -37,10 +37,11 @@ def pipeline_status(telemetry: Telemetry) -> dict[str, Any]:
                         ("failures", "durable_check_exporter_failures_total"),
                         ("dropped", "durable_check_exporter_dropped_total"),
                         ("queue_depth", "durable_check_exporter_queue_depth"),
-                        ("outbox_pending", "durable_check_outbox_pending")):
+                        ("outbox_pending", "durable_check_outbox_pending"),
+                        ("last_success", "durable_check_exporter_last_success_timestamp_seconds")):
         for name, value in _by(s, metric, "exporter").items():
             exporters.setdefault(name, {"sent": 0, "failures": 0, "dropped": 0, "queue_depth": 0,
-                                        "outbox_pending": 0})[key] = value
+                                        "outbox_pending": 0, "last_success": None})[key] = value
     evaluated = s.get("durable_check_evaluation_seconds_count", [])
     seconds = s.get("durable_check_evaluation_seconds_sum", [])
     batches = sum(v for _, v in evaluated)

@@ -227,8 +227,10 @@
       ["Shown", setup.scope || "—"],
       ["Journal", `${data.state.journal_depth} request(s), ${data.state.journal_bytes} bytes`],
       ["Failures", `${sum(data.state.failures)}`]]));
-    main.append(el("h2", {}, "Exporters"), table("Exporters", ["Exporter", "Sent", "Failed attempts", "Dropped", "Retry queue", "Outbox pending"],
-      data.exporters.map((e) => el("tr", {}, el("td", {}, e.name), el("td", { class: "num" }, e.sent),
+    main.append(el("h2", {}, "Exporters"), table("Exporters", ["Exporter", "Last delivery", "Sent", "Failed attempts", "Dropped", "Retry queue", "Outbox pending"],
+      data.exporters.map((e) => el("tr", {}, el("td", {}, e.name),
+        el("td", {}, e.last_success ? when(e.last_success * 1e9) : "never"),
+        el("td", { class: "num" }, e.sent),
         el("td", { class: e.failures ? "overdue num" : "num" }, e.failures), el("td", { class: "num" }, e.dropped),
         el("td", { class: "num" }, e.queue_depth), el("td", { class: "num" }, e.outbox_pending))),
       "No exporter is configured."));

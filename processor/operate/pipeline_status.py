@@ -32,7 +32,7 @@ def _by(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, label
 def pipeline_status(telemetry: Telemetry) -> dict[str, Any]:
     """Receivers, queue, state store and exporters, as this process counts them since it started."""
     s = _samples(telemetry)
-    exporters: dict[str, dict[str, float]] = {}
+    exporters: dict[str, dict[str, float | None]] = {}
     for key, metric in (("sent", "durable_check_exporter_sent_total"),
                         ("failures", "durable_check_exporter_failures_total"),
                         ("dropped", "durable_check_exporter_dropped_total"),

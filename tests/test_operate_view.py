@@ -134,6 +134,7 @@ def test_waits_appear_and_leave_and_sessions_show_violations(server: Server, bro
         page.get_by_label("Rule", exact=True).select_option("DS002")
         page.get_by_role("button", name="Apply filters").click()
         expect(page).to_have_url(base + "/violations?rule=DS002")
+        expect(page.locator("main")).to_have_attribute("data-shows", "/violations?rule=DS002")
         recent = page.locator("table").nth(1).locator("tbody tr")
         expect(recent).to_have_count(1)
         expect(recent).to_contain_text("s-bad-1")
@@ -177,6 +178,7 @@ def test_keyboard_navigation_and_labels(server: Server, browser: Browser) -> Non
         page.keyboard.type("s-keys")
         page.keyboard.press("Enter")
         expect(page).to_have_url(base + "/violations?session=s-keys")
+        expect(page.locator("main")).to_have_attribute("data-shows", "/violations?session=s-keys")
         expect(page.locator("table").nth(1).locator("tbody tr").first).to_contain_text("s-keys")
         # A session link is reachable and followed with the keyboard alone.
         page.locator("tbody a", has_text="s-keys").first.focus()

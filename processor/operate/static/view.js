@@ -338,6 +338,8 @@
       fresh.append(el("p", { class: "overdue", role: "alert" }, `Could not load this view: ${error.message}`));
     }
     main.replaceChildren(...fresh.childNodes);
+    // Which address the content shows (a rendering finishes after its fetch, not at the click).
+    main.dataset.shows = location.pathname + location.search;
   }
 
   const embedded = document.getElementById("report-data");

@@ -84,7 +84,7 @@ def _send_all(port: int, bodies: list[bytes], clients: int) -> float:
     return time.perf_counter() - started
 
 
-def _server(workdir: Path, backend: str, synchronous: str, dsn: str, lateness: str) -> Any:
+def _server(workdir: Path, backend: str, synchronous: str, dsn: str, lateness: str, *, ui: bool = False) -> Any:
     import yaml
 
     from exporters import build_exporters
@@ -103,6 +103,9 @@ def _server(workdir: Path, backend: str, synchronous: str, dsn: str, lateness: s
         "evaluate": {"tick_interval": "100ms", "allowed_lateness": lateness},
         "exporters": {"jsonl": {"path": str(workdir / "violations.jsonl")}},
     }
+    if ui:
+        # The operator view's read model is written with every batch: what that costs.
+        settings["ui"] = {"endpoint": "127.0.0.1:0"}
     config = parse_config(yaml.safe_dump(settings), "bench")
     telemetry = Telemetry()
     options = EngineOptions(allowed_lateness_s=float(config.evaluate.allowed_lateness), mode="serve")
@@ -127,10 +130,11 @@ def _server(workdir: Path, backend: str, synchronous: str, dsn: str, lateness: s
 
 
 def measure(
-    backend: str, bodies: list[bytes], spans: int, clients: int, *, synchronous: str, dsn: str, lateness: str
+    backend: str, bodies: list[bytes], spans: int, clients: int, *, synchronous: str, dsn: str, lateness: str,
+    ui: bool = False,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-durability-") as tmp:
-        thread = _server(Path(tmp), backend, synchronous, dsn, lateness)
+        thread = _server(Path(tmp), backend, synchronous, dsn, lateness, ui=ui)
         server = thread.start()
         try:
             _send_all(server.grpc_port, bodies[: max(1, len(bodies) // 20)], clients)  # warm up
@@ -141,7 +145,7 @@ def measure(
     names = {"memory": "memory", "postgres": "postgres (journal+state+outbox, session leases)",
              "sqlite": f"sqlite (journal+state+outbox, synchronous={synchronous})"}
     result: dict[str, Any] = {
-        "backend": names[backend], "allowed_lateness": lateness,
+        "backend": names[backend] + (" + operator view" if ui else ""), "allowed_lateness": lateness,
         "requests": len(bodies), "spans": len(bodies) * spans, "seconds": round(seconds, 3),
         "spans_per_s": round(len(bodies) * spans / seconds),
     }
@@ -158,15 +162,18 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--synchronous", choices=("full", "normal"), default="full")
     parser.add_argument("--allowed-lateness", default="5s", help="evaluate.allowed_lateness (default: 5s, serve's)")
+    parser.add_argument("--with-ui", action="store_true", help="also measure each durable store with the operator "
+                        "view's read model on")
     parser.add_argument("--postgres", metavar="DSN", default="", help="also measure the PostgreSQL store (an empty "
                         "database)")
     args = parser.parse_args()
     bodies = _requests(args.requests, args.spans, args.sessions)
     # Each run has its own server and state: the same requests are new to each.
     for backend in ("memory", "sqlite", *(("postgres",) if args.postgres else ())):
-        print(json.dumps(measure(backend, bodies, args.spans, args.clients, synchronous=args.synchronous,
-                                 dsn=args.postgres, lateness=args.allowed_lateness)),
-              flush=True)
+        for ui in (False, True) if args.with_ui and backend != "memory" else (False,):
+            print(json.dumps(measure(backend, bodies, args.spans, args.clients, synchronous=args.synchronous,
+                                     dsn=args.postgres, lateness=args.allowed_lateness, ui=ui)),
+                  flush=True)
     return 0
 
 

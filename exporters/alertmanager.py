@@ -303,6 +303,7 @@ class AlertmanagerExporter:
             if result.ok:
                 self._failures.succeeded()
                 self._telemetry.exporter_sent.labels(self.name).inc(len(chunk))
+                self._telemetry.exporter_last_success.labels(self.name).set_to_current_time()
                 self._settle(chunk, sent_states, now, delivered=True)
                 self._tell_delivered([vid for vid, _ in chunk])
                 return True

@@ -321,6 +321,7 @@ class RetryQueue(Generic[T]):
                 if result.ok:
                     self._failures.succeeded()
                     self._telemetry.exporter_sent.labels(self.exporter).inc(len(items))
+                    self._telemetry.exporter_last_success.labels(self.exporter).set_to_current_time()
                     self._remember([k for k, _ in batch])
                     self._tell_delivered([k for k, _ in batch])
                     break

@@ -363,6 +363,7 @@ class JsonlExporter:
             written = self._write(violations)
             if written:
                 self._telemetry.exporter_sent.labels(self.name).inc(written)
+            self._telemetry.exporter_last_success.labels(self.name).set_to_current_time()
             # Every one of them is in the file now: just written, or skipped as written before.
             self._tell_written([v.violation_id for v in violations])
         except OSError as exc:
@@ -400,6 +401,7 @@ class JsonlExporter:
                 return
             self._write_actions([line for _, line in items])
             self._telemetry.exporter_sent.labels("jsonl_actions").inc(len(items))
+            self._telemetry.exporter_last_success.labels("jsonl_actions").set_to_current_time()
         except OSError as exc:
             self._telemetry.exporter_failures.labels("jsonl_actions").inc()
             log.warning("exporter jsonl: action write failed (%s); keeping %d records for retry",

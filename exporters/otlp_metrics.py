@@ -205,6 +205,7 @@ class OtlpMetricsExporter:
             if result.ok:
                 self._failures.succeeded()
                 self._telemetry.exporter_sent.labels(self.name).inc(_data_point_count(request))
+                self._telemetry.exporter_last_success.labels(self.name).set_to_current_time()
                 return True
             self._telemetry.exporter_failures.labels(self.name).inc()
             self._failures.failed(result.reason, 1)

@@ -11,13 +11,14 @@ import gc
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from processor.errors import InputError
 
 if TYPE_CHECKING:
     from processor.config import Config
     from processor.convert import SpanConverter
+    from processor.evaluate.model import RuleSet
     from processor.pipeline import Pipeline
     from processor.report import Report
 
@@ -37,7 +38,10 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="file to read (gzip/zstd ok); - for standard input")
     parser.add_argument("--strict", action="store_true", help="also run strict-only rules (e.g. DS008)")
-    parser.add_argument("--format", choices=("text", "json"), default="text", help="report format (default: text)")
+    parser.add_argument("--format", choices=("text", "json", "html", "junit", "sarif"), default="text",
+                        help="report format (default: text); html is one self-contained file, junit and sarif "
+                             "are for CI systems")
+    parser.add_argument("--output", metavar="FILE", help="write the report to FILE instead of standard output")
     parser.add_argument("--config", metavar="FILE", help="configuration whose convert: and evaluate: sections apply")
     parser.add_argument(
         "--rules", action="append", default=[], metavar="PATH", help="extra rule file (repeatable); adds or overrides"
@@ -103,15 +107,27 @@ def run(args: argparse.Namespace) -> int:
     ruleset = load_rules(rule_paths, include_shipped=include_shipped, limits=limits)
     options = EngineOptions(strict=strict, allowed_lateness_s=lateness, mode="replay")
     pipeline = Pipeline(Engine(ruleset, options))
+    if args.format in ("html", "junit"):
+        from processor.state.views import MemoryViews
+
+        # These reports list sessions and their timelines: replay keeps the view's read model.
+        pipeline.views = MemoryViews(max_sessions=ev_max_sessions(config))
 
     report = Report(inputs=list(args.inputs))
     with _paced_garbage_collection():
-        return _replay(args, pipeline, converter, report)
+        return _replay(args, pipeline, converter, report, ruleset)
 
 
-def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConverter, report: Report) -> int:
+def ev_max_sessions(config: Config | None) -> int:
+    from processor.config import EvaluateConfig
+
+    return (config.evaluate if config is not None else EvaluateConfig()).max_sessions
+
+
+def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConverter, report: Report,
+            ruleset: RuleSet) -> int:
     from processor.receive.files import read_batches
-    from processor.report import printable, write_json, write_text
+    from processor.report import printable
 
     try:
         for path in args.inputs:
@@ -126,14 +142,49 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConvert
                 sys.stderr.write(f"durable-check: {printable(str(exc))}\n")
         report.add(pipeline.finish())
         report.summary = pipeline.engine.summary()
-        if args.format == "json":
-            write_json(report, sys.stdout)
-        else:
-            write_text(report, sys.stdout)
-        sys.stdout.flush()
+        try:
+            out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+        except OSError as exc:
+            sys.stderr.write(f"durable-check: --output {printable(args.output)}: {exc.strerror or exc}\n")
+            return 2
+        try:
+            _write_report(args.format, report, pipeline, ruleset, out)
+        finally:
+            if out is sys.stdout:
+                out.flush()
+            else:
+                out.close()
+        if args.output and args.format in ("html", "junit", "sarif", "json"):
+            # The verdict still reaches the terminal when the report goes to a file.
+            from processor.report import verdict_line
+
+            sys.stderr.write(verdict_line(report) + "\n")
     finally:
         report.close()
     return report.exit_code
+
+
+def _write_report(fmt: str, report: Report, pipeline: Pipeline, ruleset: RuleSet, out: TextIO) -> None:
+    from processor.report import write_json, write_text
+
+    if fmt == "json":
+        write_json(report, out)
+    elif fmt in ("html", "junit"):
+        from processor.report_formats import write_html, write_junit
+        from processor.state.views import MemoryViews
+
+        views = pipeline.views
+        assert isinstance(views, MemoryViews)
+        if fmt == "html":
+            write_html(report, views, ruleset, out)
+        else:
+            write_junit(report, views, out)
+    elif fmt == "sarif":
+        from processor.report_formats import write_sarif
+
+        write_sarif(report, ruleset, out)
+    else:
+        write_text(report, out)
 
 
 @contextmanager

@@ -370,6 +370,29 @@ class ForwardConfig:
 
 
 @dataclass(slots=True)
+class UiConfig:
+    """The read-only operator view (docs/operate.md). An empty ``endpoint`` turns it off.
+
+    ``trace_url``: a link to a session's trace in your tracing UI; ``{trace_id}`` is
+    replaced (for example ``http://127.0.0.1:16686/trace/{trace_id}`` for Jaeger).
+    """
+
+    endpoint: str = ""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    trace_url: str = ""
+
+    def validate(self, path: str) -> list[Problem]:
+        problems = check_endpoint(self.endpoint, f"{path}.endpoint") if self.endpoint else []
+        if self.trace_url:
+            if "{trace_id}" not in self.trace_url:
+                problems.append(Problem(f"{path}.trace_url", "must contain {trace_id}"))
+            else:
+                problems.extend(check_url(self.trace_url.replace("{trace_id}", "0"), f"{path}.trace_url"))
+        return problems
+
+
+@dataclass(slots=True)
 class LogsConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -389,6 +412,7 @@ class Config:
     forward: ForwardConfig = field(default_factory=ForwardConfig)
     exporters: ExportersConfig = field(default_factory=ExportersConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    ui: UiConfig = field(default_factory=UiConfig)
 
 
 DEFAULT_CONFIG_YAML = f"""\
@@ -404,6 +428,8 @@ state:
 exporters:
   jsonl:
     path: {DATA_DIR}/violations.jsonl
+ui:
+  endpoint: 127.0.0.1:4319
 """
 
 

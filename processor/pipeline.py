@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from exporters.base import Exporter
     from processor.evaluate.engine import Engine
     from processor.state.base import StateStore
+    from processor.state.views import ViewStore
     from processor.telemetry import Telemetry
     from processor.violation_caps import ViolationCaps
 
@@ -43,6 +44,8 @@ class Pipeline:
         # Builds the engine again, with the same rules and options, on a store (it loads the state).
         self.engine_factory = engine_factory
         self._actions_exporters = [e for e in self.exporters if getattr(e, "wants_actions", False)]
+        # The operator view's read model (processor.state.views), fed with every batch when set.
+        self.views: ViewStore | None = None
 
     def process(self, items: Iterable[Action | Malformed | SessionMark]) -> list[Violation]:
         """Evaluate a batch (one OTLP request, or a chunk of a file) and export what it found."""
@@ -53,7 +56,8 @@ class Pipeline:
 
     def evaluate(self, items: Iterable[Action | Malformed | SessionMark]) -> list[Violation]:
         """Evaluate a batch and return what it found, without exporting it (actions still go to their exporters)."""
-        if self._actions_exporters:
+        actions: list[Action] = []
+        if self._actions_exporters or self.views is not None:
             items = list(items)
             actions = [item for item in items if isinstance(item, Action)]
             for exporter in self._actions_exporters:
@@ -62,15 +66,23 @@ class Pipeline:
         violations = self.engine.submit_many(items)
         if self.telemetry is not None:
             self.telemetry.evaluation_seconds.observe(time.perf_counter() - started)
-        return self.capped(violations)
+        violations = self.capped(violations)
+        self.record_views(actions, violations)
+        return violations
 
     def capped(self, violations: list[Violation]) -> list[Violation]:
         """The violations to report of one request or tick (see processor.violation_caps)."""
         return self.caps.apply(violations) if self.caps is not None else violations
 
+    def record_views(self, actions: Sequence[Action], violations: Sequence[Violation]) -> None:
+        """Hand a batch to the operator view's read model (inside the batch's unit of work on a SQL store)."""
+        if self.views is not None and (actions or violations):
+            self.views.record(actions, violations, time.time_ns())
+
     def tick(self, now_ns: int) -> list[Violation]:
         """Serve's clock: fire the deadlines that passed in silence."""
         violations = self.capped(self.engine.tick(now_ns))
+        self.record_views((), violations)
         self._export(violations)
         self.hand_resolutions()
         return violations
@@ -78,6 +90,7 @@ class Pipeline:
     def finish(self) -> list[Violation]:
         """End of a replay's input: release what was held for ordering, fire due deadlines."""
         violations = self.capped(self.engine.finish())
+        self.record_views((), violations)
         self._export(violations)
         self.hand_resolutions()
         return violations

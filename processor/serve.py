@@ -40,6 +40,7 @@ import uvicorn
 from processor.config import AuthConfig, Config, TLSConfig
 from processor.convert.spans import SpanConverter
 from processor.errors import StateError
+from processor.operate.server import UiServer, attach_views
 from processor.pipeline import Pipeline
 from processor.receive.budget import ByteBudget
 from processor.receive.forward import AnnotatingHold, Forwarder, forward_headers_for_log, redact_endpoint
@@ -314,6 +315,10 @@ class Server:
                 # A durable store keeps the reordering buffer across the restart; memory would lose it.
                 finish_on_exit=store is None,
             )
+        # The operator view (ui.endpoint): its read model is fed by the pipeline from the first batch.
+        self.ui: UiServer | None = None
+        if config.ui.endpoint:
+            self.ui = UiServer(config, attach_views(config, pipeline, store), telemetry, self.ready)
         self._started = False
         self._draining = False
         self._grpc: OTLPGrpcReceiver | None = None
@@ -355,6 +360,11 @@ class Server:
             await self._start_http()
             logger.info("OTLP/HTTP receiver listening on %s", _with_port(receivers.http.endpoint, self.http_port))
             logger.info("OTLP/HTTP receiver: %s", describe_protection(receivers.http.tls, receivers.http.auth))
+        if self.ui is not None:
+            await self.ui.start()
+            logger.info("operator view on %s://%s", "https" if self.config.ui.tls.enabled else "http",
+                        _with_port(self.config.ui.endpoint, self.ui.port))
+            logger.info("operator view: %s", describe_protection(self.config.ui.tls, self.config.ui.auth))
         if self.forwarder is not None:
             fwd = self.config.forward
             logger.info("processor mode: forwarding every span to %s over %s (headers: %s)",
@@ -416,6 +426,8 @@ class Server:
             self._http.should_exit = True
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._http_task, max(1.0, deadline - time.monotonic()))
+        if self.ui is not None:
+            await self.ui.stop(max(1.0, min(_RECEIVER_GRACE_S, deadline - time.monotonic())))
         logger.debug("shutdown: receivers stopped")
         await loop.run_in_executor(None, self.pipeline.shutdown, max(1.0, deadline - time.monotonic()))
         logger.debug("shutdown: exporters flushed")

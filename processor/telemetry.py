@@ -70,6 +70,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Lines JSONL rotation removed with the oldest copy, by output (violations, actions).", ("output",)),
     MetricSpec("exporter_queue_depth", "durable_check_exporter_queue_depth", "gauge",
                "Items waiting in an exporter's retry queue.", ("exporter",)),
+    MetricSpec("exporter_last_success", "durable_check_exporter_last_success_timestamp_seconds", "gauge",
+               "When an exporter last delivered (Unix seconds); absent until its first delivery.", ("exporter",)),
     MetricSpec("forward_dropped", "durable_check_forward_dropped", "counter",
                "Spans processor mode could not forward downstream (buffer overflow or retries exhausted)."),
     # The durable state (state.backend sqlite or postgres).
@@ -111,6 +113,7 @@ class Telemetry:
     exporter_dropped: Counter
     jsonl_lines_rotated_away: Counter
     exporter_queue_depth: Gauge
+    exporter_last_success: Gauge
     forward_dropped: Counter
     journal_depth: Gauge
     journal_bytes: Gauge

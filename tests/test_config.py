@@ -110,7 +110,8 @@ def test_environment_reference_is_substituted() -> None:
 
 def test_empty_file_is_the_defaults_without_exporters() -> None:
     config = parse_config("", "empty.yaml")
-    assert config == dataclasses.replace(load_config(None), exporters=Config().exporters)
+    # The embedded default also turns the operator view on; an empty file leaves it off.
+    assert config == dataclasses.replace(load_config(None), exporters=Config().exporters, ui=Config().ui)
 
 
 def test_tls_files_that_exist_are_accepted(tmp_path: Path) -> None:

@@ -107,8 +107,15 @@ def config_volume_sources(objects: list[dict[str, Any]]) -> list[dict[str, Any]]
     return sources
 
 
+def processor_configmap(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ConfigMap holding serve's configuration (the Grafana dashboard may have one of its own)."""
+    found = [o for o in by_kind(objects, "ConfigMap") if "config.yaml" in o.get("data", {})]
+    assert len(found) == 1, f"expected one ConfigMap with config.yaml, found {len(found)}"
+    return found[0]
+
+
 def processor_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    config = yaml.safe_load(one(objects, "ConfigMap")["data"]["config.yaml"])
+    config = yaml.safe_load(processor_configmap(objects)["data"]["config.yaml"])
     assert isinstance(config, dict)
     return config
 
@@ -517,7 +524,7 @@ def test_user_config_is_merged_and_rules_are_mounted() -> None:
     assert config["evaluate"]["rules"] == ["/etc/durable-check/rules/payments.yaml"]
     assert config["exporters"]["alertmanager"]["url"] == values["config"]["exporters"]["alertmanager"]["url"]
     assert config["exporters"]["prometheus"]["endpoint"] == "0.0.0.0:9464"
-    configmap = one(objects, "ConfigMap")
+    configmap = processor_configmap(objects)
     assert configmap["data"]["rules.payments.yaml"] == values["rules"]["payments.yaml"]
     (configmap_source,) = [source["configMap"] for source in config_volume_sources(objects) if "configMap" in source]
     assert {"key": "rules.payments.yaml", "path": "rules/payments.yaml"} in configmap_source["items"]
@@ -720,7 +727,7 @@ def test_chart_postgres_configuration_runs(pg_server: str) -> None:
 
 def run_chart_configuration(values: dict[str, Any], workdir: Path, secret_env: dict[str, str] | None = None) -> None:
     objects = manifests(values)
-    configmap = one(objects, "ConfigMap")
+    configmap = processor_configmap(objects)
     etc = workdir / "etc-durable-check"
     data = workdir / "var-lib-durable-check"
     scratch = workdir / "tmp"

@@ -4,8 +4,9 @@
     python deploy/helm/render-examples.py           # rewrite examples/
     python deploy/helm/render-examples.py --check   # exit 1 and list what differs
 
-It first refreshes the chart's copy of the alert rules (files/prometheus-alerts.yaml,
-from config/prometheus-alerts.yaml): Helm reads files inside the chart only.
+It first refreshes the chart's copies of the alert rules (files/prometheus-alerts.yaml,
+from config/prometheus-alerts.yaml) and of the Grafana dashboard
+(files/grafana-dashboard.json, from deploy/grafana/): Helm reads files inside the chart only.
 
 For every ``ci/<name>.yaml`` the manifests go to ``examples/<name>/rendered/<template>``,
 one file per template, as ``helm template example <chart> -n default -f ci/<name>.yaml``
@@ -25,6 +26,8 @@ import yaml
 CHART_DIR = Path(__file__).resolve().parent / "durable-check"
 ALERT_RULES = CHART_DIR.parent.parent.parent / "config" / "prometheus-alerts.yaml"
 ALERT_RULES_COPY = Path("files") / "prometheus-alerts.yaml"
+DASHBOARD = CHART_DIR.parent.parent / "grafana" / "durable-check.json"
+DASHBOARD_COPY = Path("files") / "grafana-dashboard.json"
 RELEASE_NAME = "example"
 NAMESPACE = "default"
 
@@ -60,6 +63,8 @@ def differences(chart_dir: Path = CHART_DIR) -> list[str]:
     problems = []
     if (chart_dir / ALERT_RULES_COPY).read_bytes() != ALERT_RULES.read_bytes():
         problems.append(f"{ALERT_RULES_COPY}: differs from {ALERT_RULES.name} in config/")
+    if (chart_dir / DASHBOARD_COPY).read_bytes() != DASHBOARD.read_bytes():
+        problems.append(f"{DASHBOARD_COPY}: differs from deploy/grafana/{DASHBOARD.name}")
     expected = render_examples(chart_dir)
     for path, text in expected.items():
         on_disk = chart_dir / path
@@ -77,6 +82,7 @@ def differences(chart_dir: Path = CHART_DIR) -> list[str]:
 def write_examples(chart_dir: Path = CHART_DIR) -> list[Path]:
     """Refresh the alert rules copy, rewrite examples/ from scratch; returns the files written."""
     (chart_dir / ALERT_RULES_COPY).write_bytes(ALERT_RULES.read_bytes())
+    (chart_dir / DASHBOARD_COPY).write_bytes(DASHBOARD.read_bytes())
     expected = render_examples(chart_dir)
     for stale in sorted((chart_dir / "examples").rglob("*.yaml")):
         if stale.relative_to(chart_dir) not in expected:
@@ -88,7 +94,7 @@ def write_examples(chart_dir: Path = CHART_DIR) -> list[Path]:
     for directory in sorted((chart_dir / "examples").rglob("*"), reverse=True):
         if directory.is_dir() and not any(directory.iterdir()):
             directory.rmdir()
-    return [ALERT_RULES_COPY, *sorted(expected)]
+    return [ALERT_RULES_COPY, DASHBOARD_COPY, *sorted(expected)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -528,6 +528,7 @@ class DurableWorker:
         try:
             with self._store.unit():
                 violations = self._pipeline.capped(self._pipeline.engine.tick(time.time_ns()))
+                self._pipeline.record_views((), violations)
                 self._outbox.add_in_unit(violations, fresh.extend)
                 self._dispatcher.confirmations_in_unit()
                 if self._ticks % _PRUNE_EVERY_TICKS == 0:

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 import pytest
+import yaml
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
@@ -190,6 +191,53 @@ def test_reader_fuzz(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> N
         check_reader(data, tmp_path_factory.mktemp("reader"))
 
 
+# -- structure-aware mutation of YAML documents (rule files, configurations) ------------------
+
+
+def _leaves(tree: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(tree, dict):
+        return [path] + [leaf for key, value in tree.items() for leaf in _leaves(value, (*path, key))]
+    if isinstance(tree, list):
+        return [path] + [leaf for index, value in enumerate(tree) for leaf in _leaves(value, (*path, index))]
+    return [path]
+
+
+def _replace(tree: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(tree, dict):
+        return {**tree, head: _replace(tree[head], rest, value)}
+    copy = list(tree)
+    copy[head] = _replace(copy[head], rest, value)
+    return copy
+
+
+def _documents(target: str) -> list[dict[str, Any]]:
+    documents = []
+    for path in corpus(target):
+        try:
+            document = yaml.safe_load(path.read_bytes())
+        except yaml.YAMLError:
+            continue  # a corpus file kept for its broken syntax
+        if isinstance(document, dict):
+            documents.append(document)
+    return documents
+
+
+_CONFIG_WORDS = st.sampled_from(["1s", "0s", "-1m", "10MiB", "0", "${env:X}", "", "\x00", "/dev/null", "::"])
+
+
+@st.composite
+def _yaml_mutated(draw: Any, target: str, values: st.SearchStrategy[Any]) -> bytes:
+    """A corpus document, parsed, with a few of its values (or whole subtrees) replaced, written back."""
+    tree = draw(st.sampled_from(_documents(target)))
+    for _ in range(draw(st.integers(1, 4))):
+        path = draw(st.sampled_from(_leaves(tree)))
+        tree = _replace(tree, path, draw(values))
+    return yaml.safe_dump(tree, allow_unicode=True).encode()
+
+
 # -- rule files ----------------------------------------------------------------------
 
 
@@ -212,6 +260,13 @@ def test_rules_corpus(path: Path, tmp_path: Path) -> None:
 @FUZZ
 @given(inputs("rules"))
 def test_rules_fuzz(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    with bounded_memory():
+        check_rules(data, tmp_path_factory.mktemp("rules"))
+
+
+@FUZZ
+@given(_yaml_mutated("rules", st.one_of(_JSON, st.deferred(lambda: _EXPRESSIONS))))
+def test_rules_structured_fuzz(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
     with bounded_memory():
         check_rules(data, tmp_path_factory.mktemp("rules"))
 
@@ -357,6 +412,13 @@ def check_config(data: bytes, directory: Path) -> None:
 @pytest.mark.parametrize("path", corpus("config"), ids=_ids("config"))
 def test_config_corpus(path: Path, tmp_path: Path) -> None:
     check_config(path.read_bytes(), tmp_path)
+
+
+@FUZZ
+@given(_yaml_mutated("config", _JSON | _CONFIG_WORDS))
+def test_config_structured_fuzz(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    with bounded_memory():
+        check_config(data, tmp_path_factory.mktemp("config"))
 
 
 @FUZZ

@@ -10,7 +10,8 @@ shapes rules use most (``var.field``, ``var.field == "literal"``,
 Macro variables live in a copy of the activation made once per macro evaluation,
 so every name is read the same way (``activation[name]``). That copy also carries
 the evaluation's iteration budget (see :mod:`._cost`): the outermost macro opens it
-and every macro nested in it spends from the same one, one unit per item.
+and every macro nested in it spends from the same one, the size of its list or map
+when it starts (one subtraction per macro call, not per item).
 """
 
 from __future__ import annotations
@@ -812,10 +813,11 @@ def _quantifier(decisive: bool) -> MacroBuilder:
         def quantify(activation: Activation) -> bool:
             scope, budget = _macro_scope(activation, limit)
             failure: EvaluationError | None = None
-            for item in iteration_items(iter_range(activation), macro):
-                budget[0] -= 1
-                if budget[0] < 0:
-                    raise budget_exceeded(limit)
+            items = iteration_items(iter_range(activation), macro)
+            budget[0] -= len(items)
+            if budget[0] < 0:
+                raise budget_exceeded(limit)
+            for item in items:
                 scope[var] = item
                 try:
                     value = predicate(scope)
@@ -843,10 +845,11 @@ def _exists_one(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _tra
     def exists_one(activation: Activation) -> bool:
         scope, budget = _macro_scope(activation, limit)
         found = 0
-        for item in iteration_items(iter_range(activation), macro):
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise budget_exceeded(limit)
+        items = iteration_items(iter_range(activation), macro)
+        budget[0] -= len(items)
+        if budget[0] < 0:
+            raise budget_exceeded(limit)
+        for item in items:
             scope[var] = item
             value = predicate(scope)
             if value is True:
@@ -864,10 +867,11 @@ def _map(macro: str, var: str, iter_range: Fn, predicate: Fn | None, transform: 
     def map_items(activation: Activation) -> list[Any]:
         scope, budget = _macro_scope(activation, limit)
         mapped: list[Any] = []
-        for item in iteration_items(iter_range(activation), macro):
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise budget_exceeded(limit)
+        items = iteration_items(iter_range(activation), macro)
+        budget[0] -= len(items)
+        if budget[0] < 0:
+            raise budget_exceeded(limit)
+        for item in items:
             scope[var] = item
             if predicate is not None:
                 keep = predicate(scope)
@@ -887,10 +891,11 @@ def _filter(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transfo
     def filter_items(activation: Activation) -> list[Any]:
         scope, budget = _macro_scope(activation, limit)
         kept: list[Any] = []
-        for item in iteration_items(iter_range(activation), macro):
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise budget_exceeded(limit)
+        items = iteration_items(iter_range(activation), macro)
+        budget[0] -= len(items)
+        if budget[0] < 0:
+            raise budget_exceeded(limit)
+        for item in items:
             scope[var] = item
             keep = predicate(scope)
             if keep is True:

@@ -10,10 +10,11 @@ size of a list written in the expression or held in a constant is known; a list 
 map read from a record is assumed to hold at most :attr:`CostLimits.list_size`
 items, a string at most :attr:`CostLimits.string_chars` characters.
 
-**The budget** bounds one evaluation whatever the records hold: each item a macro
-visits spends one unit of :attr:`CostLimits.iterations`; past it the evaluation
-fails with :class:`BudgetExceeded` (an EvaluationError, so the rule does not fire on
-that record and the error is counted like any other). The budget lives in the
+**The budget** bounds one evaluation whatever the records hold: each macro call
+spends the size of its list or map (the items it may visit, even if ``exists`` stops
+early) from :attr:`CostLimits.iterations`; past it the evaluation fails with
+:class:`BudgetExceeded` (an EvaluationError, so the rule does not fire on that
+record and the error is counted like any other). The budget lives in the
 macros themselves: the outermost macro of an evaluation opens it and nested macros
 draw on the same one.
 """
@@ -65,7 +66,7 @@ class CostLimits:
     list_size: int = 100
     # Characters assumed in a string read from a record, when estimating.
     string_chars: int = 100_000
-    # Items all macros of one evaluation may visit before it fails.
+    # Items the macros of one evaluation may be given (each call spends its list's size).
     iterations: int = 100_000
 
     def problems(self) -> list[str]:
@@ -77,7 +78,7 @@ class BudgetExceeded(EvaluationError):
 
 
 def budget_exceeded(limit: int) -> BudgetExceeded:
-    return BudgetExceeded(f"evaluation stopped after {limit} macro iterations (the per-evaluation budget)")
+    return BudgetExceeded(f"evaluation stopped: its macros went over {limit} items (the per-evaluation budget)")
 
 
 @dataclass(slots=True)

@@ -9,12 +9,14 @@ of log lines and the same lines one by one), they give it.
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 import yaml
+import zstandard
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
@@ -29,7 +31,7 @@ from processor.evaluate.cel import Environment, compile_expression
 from processor.evaluate.rulefmt import lint, load_rules
 from processor.receive.files import read_input
 from processor.records import Action, Malformed
-from tests.fuzz_support import FUZZ, bounded_memory, corpus, inputs, only_raises, text_of
+from tests.fuzz_support import FUZZ, bounded_memory, corpus, inputs, mutated, only_raises, seeds, text_of
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(240)]
 
@@ -161,7 +163,8 @@ def test_action_log_fuzz(data: bytes) -> None:
 # -- whole inputs: detection, gzip and zstd streams, lines and length-prefixed frames -------
 
 
-def check_reader(data: bytes, directory: Path) -> None:
+def check_reader(data: bytes, directory: Path, plain_size: int | None = None) -> None:
+    """``plain_size``: how many bytes ``data`` holds once decompressed, when it is compressed."""
     path = directory / "input"
     path.write_bytes(data)
     for input_format in (None, "actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream"):
@@ -176,7 +179,33 @@ def check_reader(data: bytes, directory: Path) -> None:
             assert str(result).startswith(str(path)) or "format" in str(result)
             continue
         assert all(isinstance(item, Action | Malformed) for item in result)
-        assert len(result) <= max(1, len(data))  # at most one item per input byte: nothing multiplies
+        # At most one item per input byte: nothing multiplies.
+        assert len(result) <= max(1, len(data) if plain_size is None else plain_size)
+
+
+@st.composite
+def _compressed(draw: Any) -> tuple[bytes, int]:
+    """Mutated inputs compressed afterwards, in one or several gzip members or zstd frames,
+    so the readers get past decompression and meet hostile content (mutating compressed
+    bytes mostly breaks a checksum); sometimes cut short."""
+    plain = draw(mutated(seeds("streams") + seeds("actions") + seeds("otlp-proto")))
+    cut = draw(st.integers(0, len(plain)))
+    parts = [plain[:cut], plain[cut:]] if draw(st.booleans()) else [plain]
+    if draw(st.booleans()):
+        data = b"".join(gzip.compress(part) for part in parts)
+    else:
+        data = b"".join(zstandard.ZstdCompressor(level=1).compress(part) for part in parts)
+    if draw(st.integers(0, 3)) == 0:
+        data = data[: draw(st.integers(0, len(data)))]
+    return data, len(plain)
+
+
+@FUZZ
+@given(_compressed())
+def test_reader_compressed_fuzz(tmp_path_factory: pytest.TempPathFactory, compressed: tuple[bytes, int]) -> None:
+    data, plain_size = compressed
+    with bounded_memory():
+        check_reader(data, tmp_path_factory.mktemp("reader"), plain_size)
 
 
 @pytest.mark.parametrize("path", corpus("streams"), ids=_ids("streams"))

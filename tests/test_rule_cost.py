@@ -247,3 +247,24 @@ def test_rules_check_refuses_a_pattern_re2_cannot_compile(
     ]
     assert main(["rules", "check", "--no-shipped", str(path)]) == 1
     assert expected in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "source",
+    [
+        # Each would build about 1,000 lists of 2,000 items (or strings of 200,000 characters).
+        "size(record.items.map(x, record.items + record.items)) > 0",
+        "record.items.exists(x, size(record.items + record.items) < 0)",
+        "record.items.exists(x, size(record.text + record.text) < 0)",
+    ],
+)
+def test_building_inside_a_macro_spends_the_budget(source: str) -> None:
+    expression = compile_expression(source, ENV)
+    big = {"record": {"items": list(range(1_000)), "text": "x" * 100_000}}
+    with pytest.raises(BudgetExceeded):
+        expression.evaluate(big)
+    small = {"record": {"items": list(range(10)), "text": "x" * 100}}
+    assert expression.evaluate(small) is ("map" in source)
+    # Outside a macro a concatenation is linear in its operands and spends nothing.
+    assert compile_expression("size(record.items + record.items)", ENV).evaluate(big) == 2_000

@@ -536,6 +536,8 @@ class Compiler:
         if op == "in" and right.is_const and kind(right.value) in ("list", "map"):
             return Code(_membership(left, right.value))
         left_fn, right_fn = left.fn, right.fn
+        if op == "+":
+            return Code(_spending_add(left_fn, right_fn, self.env.limits.iterations))
         # A constant operand is bound here rather than fetched through a call on every evaluation.
         if right.is_const:
             right_value = right.value
@@ -787,6 +789,29 @@ class MacroBuilder(Protocol):
     ) -> Fn: ...
 
 
+def _spending_add(left_fn: Fn, right_fn: Fn, limit: int) -> Fn:
+    """``+`` that, inside a macro, spends the size of a list or string it builds from the budget.
+
+    A macro's body runs once per item: a concatenation there (``l.map(x, l + l)``) would
+    otherwise build lists quadratic in the record's. Strings spend one unit per 1,000
+    characters, as the cost estimate counts them. Outside macros there is no budget and
+    one concatenation is linear in its operands.
+    """
+
+    def add_values(activation: Activation) -> Any:
+        value = add(left_fn(activation), right_fn(activation))
+        value_type = type(value)
+        if value_type is list or value_type is str:
+            budget: list[int] | None = activation.get(BUDGET_KEY)
+            if budget is not None:
+                budget[0] -= len(value) if value_type is list else len(value) // 1_000
+                if budget[0] < 0:
+                    raise budget_exceeded(limit)
+        return value
+
+    return add_values
+
+
 def _macro_scope(activation: Activation, limit: int) -> tuple[dict[str, Any], list[int]]:
     """A macro's own copy of the activation, and the budget it spends from (opened here when outermost)."""
     scope = dict(activation)
@@ -879,7 +904,13 @@ def _map(macro: str, var: str, iter_range: Fn, predicate: Fn | None, transform: 
                     continue
                 if keep is not True:
                     raise no_overload("map", keep)
-            mapped.append(transform(scope))
+            value = transform(scope)
+            if type(value) is list or type(value) is dict:
+                # What map keeps is built per item: its size is spent too.
+                budget[0] -= len(value)
+                if budget[0] < 0:
+                    raise budget_exceeded(limit)
+            mapped.append(value)
         return mapped
 
     return map_items

@@ -12,7 +12,8 @@ items, a string at most :attr:`CostLimits.string_chars` characters.
 
 **The budget** bounds one evaluation whatever the records hold: each macro call
 spends the size of its list or map (the items it may visit, even if ``exists`` stops
-early) from :attr:`CostLimits.iterations`; past it the evaluation fails with
+early) from :attr:`CostLimits.iterations`, as does what a macro's body builds
+(lists and strings made by ``+``, lists kept by ``map``); past it the evaluation fails with
 :class:`BudgetExceeded` (an EvaluationError, so the rule does not fire on that
 record and the error is counted like any other). The budget lives in the
 macros themselves: the outermost macro of an evaluation opens it and nested macros

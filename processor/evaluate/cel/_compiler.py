@@ -538,6 +538,8 @@ class Compiler:
         left_fn, right_fn = left.fn, right.fn
         if op == "+":
             return Code(_spending_add(left_fn, right_fn, self.env.limits.iterations))
+        if op == "in":
+            return Code(_spending_membership(left_fn, right_fn, self.env.limits.iterations))
         # A constant operand is bound here rather than fetched through a call on every evaluation.
         if right.is_const:
             right_value = right.value
@@ -548,6 +550,7 @@ class Compiler:
         return Code(lambda activation: impl(left_fn(activation), right_fn(activation)))
 
     def equality(self, left: Code, right: Code, negated: bool) -> Fn:
+        limit = self.env.limits.iterations
         for variable, literal in ((left, right), (right, left)):
             literal_kind = kind(literal.value) if literal.is_const else None
             is_nan = type(literal.value) is float and literal.value != literal.value
@@ -565,6 +568,8 @@ class Compiler:
                     a, b = left_fn(activation), right_fn(activation)
                 if type(a) is str and type(b) is str:
                     return (a == b) is not negated
+                if type(a) is list or type(a) is dict:
+                    _spend(activation, len(a), limit)
                 return equals(a, b) is not negated
 
             return fields_equal
@@ -573,6 +578,8 @@ class Compiler:
             a, b = left_fn(activation), right_fn(activation)
             if type(a) is str and type(b) is str:
                 return (a == b) is not negated
+            if type(a) is list or type(a) is dict:
+                _spend(activation, len(a), limit)
             return equals(a, b) is not negated
 
         return values_equal
@@ -789,8 +796,29 @@ class MacroBuilder(Protocol):
     ) -> Fn: ...
 
 
+def _spend(activation: Activation, amount: int, limit: int) -> None:
+    """Inside a macro (where the activation carries the budget), spend ``amount`` of it."""
+    budget: list[int] | None = activation.get(BUDGET_KEY)
+    if budget is not None:
+        budget[0] -= amount
+        if budget[0] < 0:
+            raise budget_exceeded(limit)
+
+
+def _spending_membership(left_fn: Fn, right_fn: Fn, limit: int) -> Fn:
+    """``in`` over a list scans it: inside a macro the scan spends the list's size (a map is a lookup)."""
+
+    def membership(activation: Activation) -> bool:
+        item, container = left_fn(activation), right_fn(activation)
+        if type(container) is list or type(container) is tuple:
+            _spend(activation, len(container), limit)
+        return contains(item, container)
+
+    return membership
+
+
 def _spending_add(left_fn: Fn, right_fn: Fn, limit: int) -> Fn:
-    """``+`` that, inside a macro, spends the size of a list or string it builds from the budget.
+    """``+`` that, inside a macro, spends the size of a list or string it builds.
 
     A macro's body runs once per item: a concatenation there (``l.map(x, l + l)``) would
     otherwise build lists quadratic in the record's. Strings spend one unit per 1,000
@@ -802,11 +830,7 @@ def _spending_add(left_fn: Fn, right_fn: Fn, limit: int) -> Fn:
         value = add(left_fn(activation), right_fn(activation))
         value_type = type(value)
         if value_type is list or value_type is str:
-            budget: list[int] | None = activation.get(BUDGET_KEY)
-            if budget is not None:
-                budget[0] -= len(value) if value_type is list else len(value) // 1_000
-                if budget[0] < 0:
-                    raise budget_exceeded(limit)
+            _spend(activation, len(value) if value_type is list else len(value) // 1_000, limit)
         return value
 
     return add_values

@@ -271,3 +271,17 @@ def test_building_inside_a_macro_spends_the_budget(source: str) -> None:
     assert expression.evaluate(small) is ("map" in source)
     # Outside a macro a concatenation is linear in its operands and spends nothing.
     assert compile_expression("size(record.items + record.items)", ENV).evaluate(big) == 2_000
+
+
+def test_membership_in_a_long_constant_list_spends_inside_a_macro() -> None:
+    numbers = ",".join(str(n) for n in range(2_000))
+    env = Environment(variables={"record": "map"}, limits=CostLimits(max_cost=10**9))
+    expression = compile_expression(f"record.items.exists(x, x + 5000 in [{numbers}])", env)
+    with pytest.raises(BudgetExceeded):
+        expression.evaluate({"record": {"items": list(range(1_000))}})  # two million comparisons
+    assert expression.evaluate({"record": {"items": list(range(10))}}) is False
+    # Strings are looked up in a set: nothing to scan, nothing spent.
+    strings = compile_expression("record.items.exists(x, x in lists.kinds)", Environment(
+        variables={"record": "map"}, constants={"lists": {"kinds": [str(n) for n in range(2_000)]}}
+    ))
+    assert strings.evaluate({"record": {"items": ["x"] * 50_000}}) is False

@@ -243,14 +243,20 @@ def _literal_equality(code: Code, literal: Any, negated: bool) -> Fn:
     return numeric_equality
 
 
-def _membership(code: Code, elements: Any) -> Fn:
-    """``x in <constant>``: a frozenset lookup when every element is a string (the common case)."""
+def _membership(code: Code, elements: Any, limit: int) -> Fn:
+    """``x in <constant>``: a frozenset lookup when every element is a string (the common case).
+
+    Anything else scans a constant list, which inside a macro spends its length.
+    """
     getter = code.fn
+    scanned = len(elements) if type(elements) is tuple or type(elements) is list else 0
     keys = list(elements)  # a list's elements or a map's keys
     if all(type(k) is str for k in keys):
         strings = frozenset(keys)
 
-        def other_types(value: Any) -> bool:
+        def other_types(value: Any, activation: Activation) -> bool:
+            if scanned:
+                _spend(activation, scanned, limit)
             return contains(value, elements)
 
         if code.path is not None:
@@ -263,7 +269,7 @@ def _membership(code: Code, elements: Any) -> Fn:
                     value = getter(activation)
                 if type(value) is str:
                     return value in strings
-                return other_types(value)
+                return other_types(value, activation)
 
             return field_in_strings
 
@@ -271,11 +277,19 @@ def _membership(code: Code, elements: Any) -> Fn:
             value = getter(activation)
             if type(value) is str:
                 return value in strings
-            return other_types(value)
+            return other_types(value, activation)
 
         return string_membership
 
-    return lambda activation: contains(getter(activation), elements)
+    if not scanned:
+        return lambda activation: contains(getter(activation), elements)
+
+    def scan_constant(activation: Activation) -> bool:
+        value = getter(activation)
+        _spend(activation, scanned, limit)
+        return contains(value, elements)
+
+    return scan_constant
 
 
 class Compiler:
@@ -534,7 +548,7 @@ class Compiler:
         if op in ("==", "!="):
             return Code(self.equality(left, right, negated=op == "!="))
         if op == "in" and right.is_const and kind(right.value) in ("list", "map"):
-            return Code(_membership(left, right.value))
+            return Code(_membership(left, right.value, self.env.limits.iterations))
         left_fn, right_fn = left.fn, right.fn
         if op == "+":
             return Code(_spending_add(left_fn, right_fn, self.env.limits.iterations))

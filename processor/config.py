@@ -193,7 +193,7 @@ class RuleLimitsConfig:
     # When estimating: items in a list or map read from a record, characters in a string.
     assumed_list_size: int = 100
     assumed_string_chars: int = 100_000
-    # At run time: macro items one evaluation may visit; past it the rule errs on that record.
+    # At run time: items the macros of one evaluation may be given; past it the rule errs on that record.
     max_iterations: int = 100_000
 
     def validate(self, path: str) -> list[Problem]:

@@ -165,7 +165,10 @@ def _decode_dataclass(cls: type[Any], raw: Any, path: str, problems: list[Proble
         raw = {}
     if not isinstance(raw, dict):
         problems.append(Problem(path or "(root)", f"must be a mapping, got {_type_name(raw)}"))
-        return cls()
+        try:
+            return cls()
+        except TypeError:
+            return _MISSING  # it has required fields, so no default to fall back on (already reported)
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}

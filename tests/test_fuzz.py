@@ -9,11 +9,14 @@ of log lines and the same lines one by one), they give it.
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+import yaml
+import zstandard
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,7 +31,7 @@ from processor.evaluate.cel import Environment, compile_expression
 from processor.evaluate.rulefmt import lint, load_rules
 from processor.receive.files import read_input
 from processor.records import Action, Malformed
-from tests.fuzz_support import FUZZ, bounded_memory, corpus, inputs, only_raises, text_of
+from tests.fuzz_support import FUZZ, bounded_memory, corpus, inputs, mutated, only_raises, seeds, text_of
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(240)]
 
@@ -160,7 +163,8 @@ def test_action_log_fuzz(data: bytes) -> None:
 # -- whole inputs: detection, gzip and zstd streams, lines and length-prefixed frames -------
 
 
-def check_reader(data: bytes, directory: Path) -> None:
+def check_reader(data: bytes, directory: Path, plain_size: int | None = None) -> None:
+    """``plain_size``: how many bytes ``data`` holds once decompressed, when it is compressed."""
     path = directory / "input"
     path.write_bytes(data)
     for input_format in (None, "actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream"):
@@ -175,7 +179,33 @@ def check_reader(data: bytes, directory: Path) -> None:
             assert str(result).startswith(str(path)) or "format" in str(result)
             continue
         assert all(isinstance(item, Action | Malformed) for item in result)
-        assert len(result) <= max(1, len(data))  # at most one item per input byte: nothing multiplies
+        # At most one item per input byte: nothing multiplies.
+        assert len(result) <= max(1, len(data) if plain_size is None else plain_size)
+
+
+@st.composite
+def _compressed(draw: Any) -> tuple[bytes, int]:
+    """Mutated inputs compressed afterwards, in one or several gzip members or zstd frames,
+    so the readers get past decompression and meet hostile content (mutating compressed
+    bytes mostly breaks a checksum); sometimes cut short."""
+    plain = draw(mutated(seeds("streams") + seeds("actions") + seeds("otlp-proto")))
+    cut = draw(st.integers(0, len(plain)))
+    parts = [plain[:cut], plain[cut:]] if draw(st.booleans()) else [plain]
+    if draw(st.booleans()):
+        data = b"".join(gzip.compress(part) for part in parts)
+    else:
+        data = b"".join(zstandard.ZstdCompressor(level=1).compress(part) for part in parts)
+    if draw(st.integers(0, 3)) == 0:
+        data = data[: draw(st.integers(0, len(data)))]
+    return data, len(plain)
+
+
+@FUZZ
+@given(_compressed())
+def test_reader_compressed_fuzz(tmp_path_factory: pytest.TempPathFactory, compressed: tuple[bytes, int]) -> None:
+    data, plain_size = compressed
+    with bounded_memory():
+        check_reader(data, tmp_path_factory.mktemp("reader"), plain_size)
 
 
 @pytest.mark.parametrize("path", corpus("streams"), ids=_ids("streams"))
@@ -188,6 +218,53 @@ def test_reader_corpus(path: Path, tmp_path: Path) -> None:
 def test_reader_fuzz(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
     with bounded_memory():
         check_reader(data, tmp_path_factory.mktemp("reader"))
+
+
+# -- structure-aware mutation of YAML documents (rule files, configurations) ------------------
+
+
+def _leaves(tree: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(tree, dict):
+        return [path] + [leaf for key, value in tree.items() for leaf in _leaves(value, (*path, key))]
+    if isinstance(tree, list):
+        return [path] + [leaf for index, value in enumerate(tree) for leaf in _leaves(value, (*path, index))]
+    return [path]
+
+
+def _replace(tree: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(tree, dict):
+        return {**tree, head: _replace(tree[head], rest, value)}
+    copy = list(tree)
+    copy[head] = _replace(copy[head], rest, value)
+    return copy
+
+
+def _documents(target: str) -> list[dict[str, Any]]:
+    documents = []
+    for path in corpus(target):
+        try:
+            document = yaml.safe_load(path.read_bytes())
+        except yaml.YAMLError:
+            continue  # a corpus file kept for its broken syntax
+        if isinstance(document, dict):
+            documents.append(document)
+    return documents
+
+
+_CONFIG_WORDS = st.sampled_from(["1s", "0s", "-1m", "10MiB", "0", "${env:X}", "", "\x00", "/dev/null", "::"])
+
+
+@st.composite
+def _yaml_mutated(draw: Any, target: str, values: st.SearchStrategy[Any]) -> bytes:
+    """A corpus document, parsed, with a few of its values (or whole subtrees) replaced, written back."""
+    tree = draw(st.sampled_from(_documents(target)))
+    for _ in range(draw(st.integers(1, 4))):
+        path = draw(st.sampled_from(_leaves(tree)))
+        tree = _replace(tree, path, draw(values))
+    return yaml.safe_dump(tree, allow_unicode=True).encode()
 
 
 # -- rule files ----------------------------------------------------------------------
@@ -212,6 +289,13 @@ def test_rules_corpus(path: Path, tmp_path: Path) -> None:
 @FUZZ
 @given(inputs("rules"))
 def test_rules_fuzz(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    with bounded_memory():
+        check_rules(data, tmp_path_factory.mktemp("rules"))
+
+
+@FUZZ
+@given(_yaml_mutated("rules", st.one_of(_JSON, st.deferred(lambda: _EXPRESSIONS))))
+def test_rules_structured_fuzz(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
     with bounded_memory():
         check_rules(data, tmp_path_factory.mktemp("rules"))
 
@@ -357,6 +441,13 @@ def check_config(data: bytes, directory: Path) -> None:
 @pytest.mark.parametrize("path", corpus("config"), ids=_ids("config"))
 def test_config_corpus(path: Path, tmp_path: Path) -> None:
     check_config(path.read_bytes(), tmp_path)
+
+
+@FUZZ
+@given(_yaml_mutated("config", _JSON | _CONFIG_WORDS))
+def test_config_structured_fuzz(tmp_path_factory: pytest.TempPathFactory, data: bytes) -> None:
+    with bounded_memory():
+        check_config(data, tmp_path_factory.mktemp("config"))
 
 
 @FUZZ

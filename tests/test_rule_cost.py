@@ -78,7 +78,7 @@ def test_the_budget_bounds_one_evaluation_at_run_time() -> None:
     env = Environment(variables={"record": "map"}, limits=CostLimits(iterations=1_000))
     nested = compile_expression("record.items.exists(a, record.items.exists(b, a == -1))", env)
     assert nested.evaluate({"record": {"items": list(range(20))}}) is False  # 420 items visited
-    with pytest.raises(BudgetExceeded, match="after 1000 macro iterations"):
+    with pytest.raises(BudgetExceeded, match="went over 1000 items"):
         nested.evaluate({"record": {"items": list(range(40))}})  # 1,640 items
     # An overrun is an EvaluationError: the engine treats it as any rule error.
     assert issubclass(BudgetExceeded, EvaluationError)
@@ -115,7 +115,7 @@ def test_a_deep_nesting_over_record_lists_stops_at_the_budget() -> None:
     for var in reversed("abcdef"):
         body = f"record.items.exists({var}, {body})"
     expression = compile_expression(body, env)
-    with pytest.raises(BudgetExceeded, match="after 100000 macro iterations"):
+    with pytest.raises(BudgetExceeded, match="went over 100000 items"):
         expression.evaluate({"record": {"items": list(range(30))}})
 
 
@@ -238,7 +238,7 @@ def test_one_record_with_a_matching_then_failing_key_does_not_freeze_the_engine(
 def test_rules_check_refuses_a_pattern_re2_cannot_compile(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], pattern: str, message: str
 ) -> None:
-    text = REGEX_RULES.split("  - id: ACME6")[0].replace("^(a|a)*$", pattern)
+    text = REGEX_RULES.split("  - id: ACME6", maxsplit=1)[0].replace("^(a|a)*$", pattern)
     path = _write(tmp_path, "r.yaml", text)
     col = text.splitlines()[5].index("matches('") + len("matches(") + 1  # the pattern's opening quote
     expected = f"{path}:6:{col}: rule ACME5 (odd-key): condition: matches(): {message}"
@@ -247,3 +247,41 @@ def test_rules_check_refuses_a_pattern_re2_cannot_compile(
     ]
     assert main(["rules", "check", "--no-shipped", str(path)]) == 1
     assert expected in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "source",
+    [
+        # Each would build about 1,000 lists of 2,000 items (or strings of 200,000 characters).
+        "size(record.items.map(x, record.items + record.items)) > 0",
+        "record.items.exists(x, size(record.items + record.items) < 0)",
+        "record.items.exists(x, size(record.text + record.text) < 0)",
+        # Each would compare about a million pairs in Python: a scan per item.
+        "record.items.exists(x, x + 1000 in record.items)",
+        "record.items.exists(x, record.items != record.items)",
+    ],
+)
+def test_building_inside_a_macro_spends_the_budget(source: str) -> None:
+    expression = compile_expression(source, ENV)
+    big = {"record": {"items": list(range(1_000)), "text": "x" * 100_000}}
+    with pytest.raises(BudgetExceeded):
+        expression.evaluate(big)
+    small = {"record": {"items": list(range(10)), "text": "x" * 100}}
+    assert expression.evaluate(small) is ("map" in source)
+    # Outside a macro a concatenation is linear in its operands and spends nothing.
+    assert compile_expression("size(record.items + record.items)", ENV).evaluate(big) == 2_000
+
+
+def test_membership_in_a_long_constant_list_spends_inside_a_macro() -> None:
+    numbers = ",".join(str(n) for n in range(2_000))
+    env = Environment(variables={"record": "map"}, limits=CostLimits(max_cost=10**9))
+    expression = compile_expression(f"record.items.exists(x, x + 5000 in [{numbers}])", env)
+    with pytest.raises(BudgetExceeded):
+        expression.evaluate({"record": {"items": list(range(1_000))}})  # two million comparisons
+    assert expression.evaluate({"record": {"items": list(range(10))}}) is False
+    # Strings are looked up in a set: nothing to scan, nothing spent.
+    strings = compile_expression("record.items.exists(x, x in lists.kinds)", Environment(
+        variables={"record": "map"}, constants={"lists": {"kinds": [str(n) for n in range(2_000)]}}
+    ))
+    assert strings.evaluate({"record": {"items": ["x"] * 50_000}}) is False

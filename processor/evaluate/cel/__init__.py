@@ -50,9 +50,10 @@ time; patterns are limited to 1,000 characters and matched text to 100,000.
 **Limits**: sources of at most 10,000 characters, nesting of at most 100 levels.
 **Cost** (:mod:`._cost`): each expression's worst case is estimated when it compiles
 (nested macros multiply the sizes of their lists) and refused past the Environment's
-:class:`CostLimits` ``max_cost``; while it runs, the items its macros visit are
-counted and the evaluation fails with :class:`BudgetExceeded` (an EvaluationError)
-past ``iterations``.
+:class:`CostLimits` ``max_cost``; while it runs, each macro call spends the size
+of its list from a per-evaluation budget, and past ``iterations`` the evaluation
+fails with :class:`BudgetExceeded` (an EvaluationError that ``&&``, ``||`` and the
+macros do not absorb).
 
 **Compile-time errors** (ExpressionError with 1-based line:col in the source):
 syntax, undeclared names, fields outside ``known_fields`` (with the closest known

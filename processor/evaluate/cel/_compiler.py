@@ -10,7 +10,8 @@ shapes rules use most (``var.field``, ``var.field == "literal"``,
 Macro variables live in a copy of the activation made once per macro evaluation,
 so every name is read the same way (``activation[name]``). That copy also carries
 the evaluation's iteration budget (see :mod:`._cost`): the outermost macro opens it
-and every macro nested in it spends from the same one, one unit per item.
+and every macro nested in it spends from the same one, the size of its list or map
+when it starts (one subtraction per macro call, not per item).
 """
 
 from __future__ import annotations
@@ -242,14 +243,20 @@ def _literal_equality(code: Code, literal: Any, negated: bool) -> Fn:
     return numeric_equality
 
 
-def _membership(code: Code, elements: Any) -> Fn:
-    """``x in <constant>``: a frozenset lookup when every element is a string (the common case)."""
+def _membership(code: Code, elements: Any, limit: int) -> Fn:
+    """``x in <constant>``: a frozenset lookup when every element is a string (the common case).
+
+    Anything else scans a constant list, which inside a macro spends its length.
+    """
     getter = code.fn
+    scanned = len(elements) if type(elements) is tuple or type(elements) is list else 0
     keys = list(elements)  # a list's elements or a map's keys
     if all(type(k) is str for k in keys):
         strings = frozenset(keys)
 
-        def other_types(value: Any) -> bool:
+        def other_types(value: Any, activation: Activation) -> bool:
+            if scanned:
+                _spend(activation, scanned, limit)
             return contains(value, elements)
 
         if code.path is not None:
@@ -262,7 +269,7 @@ def _membership(code: Code, elements: Any) -> Fn:
                     value = getter(activation)
                 if type(value) is str:
                     return value in strings
-                return other_types(value)
+                return other_types(value, activation)
 
             return field_in_strings
 
@@ -270,11 +277,19 @@ def _membership(code: Code, elements: Any) -> Fn:
             value = getter(activation)
             if type(value) is str:
                 return value in strings
-            return other_types(value)
+            return other_types(value, activation)
 
         return string_membership
 
-    return lambda activation: contains(getter(activation), elements)
+    if not scanned:
+        return lambda activation: contains(getter(activation), elements)
+
+    def scan_constant(activation: Activation) -> bool:
+        value = getter(activation)
+        _spend(activation, scanned, limit)
+        return contains(value, elements)
+
+    return scan_constant
 
 
 class Compiler:
@@ -533,8 +548,12 @@ class Compiler:
         if op in ("==", "!="):
             return Code(self.equality(left, right, negated=op == "!="))
         if op == "in" and right.is_const and kind(right.value) in ("list", "map"):
-            return Code(_membership(left, right.value))
+            return Code(_membership(left, right.value, self.env.limits.iterations))
         left_fn, right_fn = left.fn, right.fn
+        if op == "+":
+            return Code(_spending_add(left_fn, right_fn, self.env.limits.iterations))
+        if op == "in":
+            return Code(_spending_membership(left_fn, right_fn, self.env.limits.iterations))
         # A constant operand is bound here rather than fetched through a call on every evaluation.
         if right.is_const:
             right_value = right.value
@@ -545,6 +564,7 @@ class Compiler:
         return Code(lambda activation: impl(left_fn(activation), right_fn(activation)))
 
     def equality(self, left: Code, right: Code, negated: bool) -> Fn:
+        limit = self.env.limits.iterations
         for variable, literal in ((left, right), (right, left)):
             literal_kind = kind(literal.value) if literal.is_const else None
             is_nan = type(literal.value) is float and literal.value != literal.value
@@ -562,6 +582,8 @@ class Compiler:
                     a, b = left_fn(activation), right_fn(activation)
                 if type(a) is str and type(b) is str:
                     return (a == b) is not negated
+                if type(a) is list or type(a) is dict:
+                    _spend(activation, len(a), limit)
                 return equals(a, b) is not negated
 
             return fields_equal
@@ -570,6 +592,8 @@ class Compiler:
             a, b = left_fn(activation), right_fn(activation)
             if type(a) is str and type(b) is str:
                 return (a == b) is not negated
+            if type(a) is list or type(a) is dict:
+                _spend(activation, len(a), limit)
             return equals(a, b) is not negated
 
         return values_equal
@@ -786,6 +810,46 @@ class MacroBuilder(Protocol):
     ) -> Fn: ...
 
 
+def _spend(activation: Activation, amount: int, limit: int) -> None:
+    """Inside a macro (where the activation carries the budget), spend ``amount`` of it."""
+    budget: list[int] | None = activation.get(BUDGET_KEY)
+    if budget is not None:
+        budget[0] -= amount
+        if budget[0] < 0:
+            raise budget_exceeded(limit)
+
+
+def _spending_membership(left_fn: Fn, right_fn: Fn, limit: int) -> Fn:
+    """``in`` over a list scans it: inside a macro the scan spends the list's size (a map is a lookup)."""
+
+    def membership(activation: Activation) -> bool:
+        item, container = left_fn(activation), right_fn(activation)
+        if type(container) is list or type(container) is tuple:
+            _spend(activation, len(container), limit)
+        return contains(item, container)
+
+    return membership
+
+
+def _spending_add(left_fn: Fn, right_fn: Fn, limit: int) -> Fn:
+    """``+`` that, inside a macro, spends the size of a list or string it builds.
+
+    A macro's body runs once per item: a concatenation there (``l.map(x, l + l)``) would
+    otherwise build lists quadratic in the record's. Strings spend one unit per 1,000
+    characters, as the cost estimate counts them. Outside macros there is no budget and
+    one concatenation is linear in its operands.
+    """
+
+    def add_values(activation: Activation) -> Any:
+        value = add(left_fn(activation), right_fn(activation))
+        value_type = type(value)
+        if value_type is list or value_type is str:
+            _spend(activation, len(value) if value_type is list else len(value) // 1_000, limit)
+        return value
+
+    return add_values
+
+
 def _macro_scope(activation: Activation, limit: int) -> tuple[dict[str, Any], list[int]]:
     """A macro's own copy of the activation, and the budget it spends from (opened here when outermost)."""
     scope = dict(activation)
@@ -812,10 +876,11 @@ def _quantifier(decisive: bool) -> MacroBuilder:
         def quantify(activation: Activation) -> bool:
             scope, budget = _macro_scope(activation, limit)
             failure: EvaluationError | None = None
-            for item in iteration_items(iter_range(activation), macro):
-                budget[0] -= 1
-                if budget[0] < 0:
-                    raise budget_exceeded(limit)
+            items = iteration_items(iter_range(activation), macro)
+            budget[0] -= len(items)
+            if budget[0] < 0:
+                raise budget_exceeded(limit)
+            for item in items:
                 scope[var] = item
                 try:
                     value = predicate(scope)
@@ -843,10 +908,11 @@ def _exists_one(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _tra
     def exists_one(activation: Activation) -> bool:
         scope, budget = _macro_scope(activation, limit)
         found = 0
-        for item in iteration_items(iter_range(activation), macro):
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise budget_exceeded(limit)
+        items = iteration_items(iter_range(activation), macro)
+        budget[0] -= len(items)
+        if budget[0] < 0:
+            raise budget_exceeded(limit)
+        for item in items:
             scope[var] = item
             value = predicate(scope)
             if value is True:
@@ -864,10 +930,11 @@ def _map(macro: str, var: str, iter_range: Fn, predicate: Fn | None, transform: 
     def map_items(activation: Activation) -> list[Any]:
         scope, budget = _macro_scope(activation, limit)
         mapped: list[Any] = []
-        for item in iteration_items(iter_range(activation), macro):
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise budget_exceeded(limit)
+        items = iteration_items(iter_range(activation), macro)
+        budget[0] -= len(items)
+        if budget[0] < 0:
+            raise budget_exceeded(limit)
+        for item in items:
             scope[var] = item
             if predicate is not None:
                 keep = predicate(scope)
@@ -875,7 +942,13 @@ def _map(macro: str, var: str, iter_range: Fn, predicate: Fn | None, transform: 
                     continue
                 if keep is not True:
                     raise no_overload("map", keep)
-            mapped.append(transform(scope))
+            value = transform(scope)
+            if type(value) is list or type(value) is dict:
+                # What map keeps is built per item: its size is spent too.
+                budget[0] -= len(value)
+                if budget[0] < 0:
+                    raise budget_exceeded(limit)
+            mapped.append(value)
         return mapped
 
     return map_items
@@ -887,10 +960,11 @@ def _filter(macro: str, var: str, iter_range: Fn, predicate: Fn | None, _transfo
     def filter_items(activation: Activation) -> list[Any]:
         scope, budget = _macro_scope(activation, limit)
         kept: list[Any] = []
-        for item in iteration_items(iter_range(activation), macro):
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise budget_exceeded(limit)
+        items = iteration_items(iter_range(activation), macro)
+        budget[0] -= len(items)
+        if budget[0] < 0:
+            raise budget_exceeded(limit)
+        for item in items:
             scope[var] = item
             keep = predicate(scope)
             if keep is True:

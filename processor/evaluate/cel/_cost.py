@@ -10,10 +10,13 @@ size of a list written in the expression or held in a constant is known; a list 
 map read from a record is assumed to hold at most :attr:`CostLimits.list_size`
 items, a string at most :attr:`CostLimits.string_chars` characters.
 
-**The budget** bounds one evaluation whatever the records hold: each item a macro
-visits spends one unit of :attr:`CostLimits.iterations`; past it the evaluation
-fails with :class:`BudgetExceeded` (an EvaluationError, so the rule does not fire on
-that record and the error is counted like any other). The budget lives in the
+**The budget** bounds one evaluation whatever the records hold: each macro call
+spends the size of its list or map (the items it may visit, even if ``exists`` stops
+early) from :attr:`CostLimits.iterations`, as does what a macro's body builds
+(lists and strings made by ``+``, lists kept by ``map``) and what it scans (``in``
+over a list, ``==`` between lists or maps); past it the evaluation fails with
+:class:`BudgetExceeded` (an EvaluationError, so the rule does not fire on that
+record and the error is counted like any other). The budget lives in the
 macros themselves: the outermost macro of an evaluation opens it and nested macros
 draw on the same one.
 """
@@ -65,7 +68,7 @@ class CostLimits:
     list_size: int = 100
     # Characters assumed in a string read from a record, when estimating.
     string_chars: int = 100_000
-    # Items all macros of one evaluation may visit before it fails.
+    # Items the macros of one evaluation may be given (each call spends its list's size).
     iterations: int = 100_000
 
     def problems(self) -> list[str]:
@@ -77,7 +80,7 @@ class BudgetExceeded(EvaluationError):
 
 
 def budget_exceeded(limit: int) -> BudgetExceeded:
-    return BudgetExceeded(f"evaluation stopped after {limit} macro iterations (the per-evaluation budget)")
+    return BudgetExceeded(f"evaluation stopped: its macros went over {limit} items (the per-evaluation budget)")
 
 
 @dataclass(slots=True)
@@ -181,13 +184,17 @@ class _Estimator:
         left, right = self.estimate(node.left), self.estimate(node.right)
         steps = left.steps + right.steps + 1
         if node.op == "in" and right.size is not None:
-            return _Estimate(steps + right.size // _CHARS_PER_STEP)
+            # Membership in a list compares item by item.
+            return _Estimate(steps + right.size)
         if node.op == "+" and left.size is not None and right.size is not None:
             # Concatenation copies both sides.
             size = left.size + right.size
             return _Estimate(steps + size // _CHARS_PER_STEP, size)
-        if node.op in ("==", "!=") and left.size is not None and right.size is not None:
-            return _Estimate(steps + min(left.size, right.size) // _CHARS_PER_STEP)
+        containers = ("list", "map")
+        if node.op in ("==", "!=") and (node.left.ctype in containers or node.right.ctype in containers):
+            # Lists and maps compare item by item (a value of unknown type is rarely one: not counted).
+            sizes = [size for size in (left.size, right.size) if size is not None]
+            return _Estimate(steps + min(sizes, default=self.limits.list_size))
         return _Estimate(steps)
 
     def estimate_comprehension(self, node: Comprehension) -> _Estimate:

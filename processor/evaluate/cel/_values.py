@@ -12,7 +12,7 @@ names the types (never the values: messages end up in logs).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from processor.errors import EvaluationError
@@ -239,7 +239,7 @@ def index(container: object, key: object) -> Any:
     raise no_overload("[]", container, key)
 
 
-def iteration_items(value: object, macro: str) -> Iterable[Any]:
+def iteration_items(value: object, macro: str) -> Sequence[Any]:
     """What a macro iterates: a list's elements or a map's keys."""
     if type(value) is list or type(value) is tuple:
         return value

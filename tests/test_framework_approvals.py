@@ -158,9 +158,9 @@ def test_pydantic_ai_denied_but_executed_is_ds109() -> None:
 # -- LangGraph -----------------------------------------------------------------------------------
 
 
-def _langgraph_refund(traced: Traced, answer: str, *, thread: str = "th-1", honour: bool = True,
+def _langgraph_refund(traced: Traced, answer: str | None, *, thread: str = "th-1", honour: bool = True,
                       checkpointer: bool = True) -> list[str]:
-    """A ReAct agent whose refund tool calls interrupt(); the run is resumed with ``answer``.
+    """A ReAct agent whose refund tool calls interrupt(); the run is resumed with ``answer`` (None: never).
     ``honour=False``: the tool refunds whatever the answer was."""
 
     refunds: list[str] = []
@@ -192,7 +192,8 @@ def _langgraph_refund(traced: Traced, answer: str, *, thread: str = "th-1", hono
                 call_id = first["messages"][-1].tool_calls[0]["id"]
                 annotate.approval_decision(call_id, "denied", tool="reimburse_order", session_id=thread,
                                            tracer_provider=traced.provider)
-            agent.invoke(Command(resume=answer), config)
+            if answer is not None:
+                agent.invoke(Command(resume=answer), config)
         finally:
             instrumentor.uninstrument()
     return refunds
@@ -248,9 +249,11 @@ def actions_with(actions: Sequence[Action], field: str) -> list[dict[str, Any]]:
 # -- the OpenAI Agents SDK ------------------------------------------------------------------------
 
 
-def _agents_refund(traced: Traced, approve: bool, *, decided: str, group: str = "conv-9") -> list[str]:
+def _agents_refund(traced: Traced, approve: bool, *, decided: str | None, group: str = "conv-9",
+                   wait_s: float = WAIT) -> list[str]:
     """``needs_approval``: the SDK's spans hold no trace of the interruption, so the code records
-    the wait and the decision with the annotate helper, and traces the resumed run on its own."""
+    the wait and the decision with the annotate helper, and traces the resumed run on its own.
+    ``decided=None``: nobody answers, the run is never resumed."""
 
     refunds: list[str] = []
 
@@ -258,6 +261,8 @@ def _agents_refund(traced: Traced, approve: bool, *, decided: str, group: str = 
     def refund_payment(order_id: str) -> str:
         """Refund an order."""
         annotate.set_session(group)
+        # The SDK's tool spans carry no call id: a stable action id of the user's own.
+        annotate.set_action("payment", action_id=f"refund-{order_id}")
         annotate.set_plan(f"refund-{order_id}")
         annotate.set_idempotency_key(f"refund-{order_id}")
         refunds.append(order_id)
@@ -276,8 +281,10 @@ def _agents_refund(traced: Traced, approve: bool, *, decided: str, group: str = 
             state = first.to_state()
             for item in first.interruptions:
                 plan = f"refund-{'42'}"
-                annotate.waiting(f"approval:{item.tool_name}:{plan}", state="awaiting_approval", timeout_s=WAIT,
+                annotate.waiting(f"approval:{item.tool_name}:{plan}", state="awaiting_approval", timeout_s=wait_s,
                                  plan_version=plan, session_id=group, tracer_provider=traced.provider)
+                if decided is None:
+                    return refunds
                 annotate.approval_decision(plan, "granted" if decided == "granted" else "denied",
                                            tool=item.tool_name, session_id=group, tracer_provider=traced.provider)
                 state.approve(item) if approve else state.reject(item)
@@ -313,50 +320,84 @@ def _serve(tmp_path: Path, timeout: str, lateness: str = "5s") -> Config:
     })
 
 
-def test_pydantic_ai_over_otlp_gives_the_replay_verdicts(tmp_path: Path) -> None:
-    config = _serve(tmp_path, "1h")
-    traced = Traced()
-    _pydantic_refund(traced, approve=True, decided="denied", conversation="conv-serve")
-    request = traced.request()
-    with running(config) as server:
-        exporter = HttpSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=10)
-        exporter.export(traced.memory.get_finished_spans())
-        exporter.shutdown()
-        assert wait_for(lambda: server.worker.processed_spans >= len(traced.memory.get_finished_spans()))
-    served = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
-    assert ("DS109", "conv-serve", "call-1") in served
-    assert served == replay_keys([request], config)
+def _deny_but_run(framework: str, traced: Traced) -> tuple[str, str]:
+    """The denied-but-executed run of ``framework``; (session, action id) of the DS109 it must give."""
+    if framework == "pydantic-ai":
+        _pydantic_refund(traced, approve=True, decided="denied", conversation="conv-serve")
+        return "conv-serve", "call-1"
+    if framework == "langgraph":
+        _langgraph_refund(traced, "reject", honour=False, thread="th-serve")
+        return "th-serve", "refund-42"
+    _agents_refund(traced, True, decided="denied", group="conv-serve")
+    return "conv-serve", "refund-42"
 
 
-def test_a_framework_wait_whose_deadline_passes_is_ds107_in_serve(tmp_path: Path) -> None:
-    config = _serve(tmp_path, "1s", lateness="0s")
-    traced = Traced()
+def _wait_only(framework: str, traced: Traced, wait_s: float) -> tuple[str, str]:
+    """A run of ``framework`` that stops for approval and is never answered; (session, wait id)."""
+    if framework == "pydantic-ai":
+        def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            return ModelResponse(parts=[ToolCallPart("deploy_release", {"tag": "v2"}, tool_call_id="call-7")])
 
-    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        return ModelResponse(parts=[ToolCallPart("deploy_release", {"tag": "v2"}, tool_call_id="call-7")])
+        agent = Agent(FunctionModel(model), name="deployer", output_type=[str, DeferredToolRequests])
 
-    agent = Agent(FunctionModel(model), name="deployer", output_type=[str, DeferredToolRequests])
+        @agent.tool_plain(requires_approval=True)
+        def deploy_release(tag: str) -> str:
+            return "deployed"
 
-    @agent.tool_plain(requires_approval=True)
-    def deploy_release(tag: str) -> str:
-        return "deployed"
-
-    with running(config) as server:
         with _lock:
             Agent.instrument_all(InstrumentationSettings(tracer_provider=traced.provider))
             try:
                 agent.run_sync("ship it", conversation_id="conv-wait")
             finally:
                 Agent.instrument_all(False)
-        exporter = HttpSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=10)
-        exporter.export(traced.memory.get_finished_spans())
-        exporter.shutdown()
-        sent = time.monotonic()
+        return "conv-wait", "approval:deploy_release:call-7"
+    if framework == "langgraph":
+        _langgraph_refund(traced, None, thread="th-wait")
+        [wait] = [a.record for a in traced.actions() if a.record.get("workflow_state") == "awaiting_approval"]
+        return "th-wait", str(wait["action_id"])
+    _agents_refund(traced, True, decided=None, group="conv-wait", wait_s=wait_s)
+    return "conv-wait", "approval:refund_payment:refund-42"
+
+
+def _export(server: Any, traced: Traced) -> None:
+    exporter = HttpSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=10)
+    assert exporter.export(traced.memory.get_finished_spans()).name == "SUCCESS"
+    exporter.shutdown()
+
+
+FRAMEWORKS = ["pydantic-ai", "langgraph", "agents-sdk"]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_over_otlp_serve_gives_the_replay_verdicts(framework: str, tmp_path: Path) -> None:
+    config = _serve(tmp_path, "1h")
+    traced = Traced()
+    session, action_id = _deny_but_run(framework, traced)
+    with running(config) as server:
+        _export(server, traced)
+        assert wait_for(lambda: server.worker.processed_spans >= len(traced.memory.get_finished_spans()))
+    served = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    assert ("DS109", session, action_id) in served
+    assert served == replay_keys([traced.request()], config)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_framework_wait_whose_deadline_passes_is_ds107_in_serve(framework: str, tmp_path: Path) -> None:
+    # Spans of one export are in time order per instrumentation scope only: no lateness is
+    # allowed here, so the wait must fire on the clock alone.
+    config = _serve(tmp_path, "3s", lateness="0s")
+    traced = Traced()
+    session, wait_id = _wait_only(framework, traced, 3.0)
+    [wait] = [a for a in traced.actions(ConvertOptions(approval_wait_timeout=3.0)) if a.record["action_id"] == wait_id]
+    assert wait.time_ns is not None
+    deadline_ns = wait.time_ns + 3 * 1_000_000_000
+    with running(config) as server:
+        _export(server, traced)
         # Nothing else arrives: the deadline alone must bring the verdict, while the server runs.
-        assert wait_for(lambda: any(v["rule"] == "DS107" for v in read_jsonl(tmp_path / "violations.jsonl")), 15)
-        assert time.monotonic() - sent >= 0.5
+        assert wait_for(lambda: any(v["rule"] == "DS107" for v in read_jsonl(tmp_path / "violations.jsonl")), 20)
+        assert time.time_ns() >= deadline_ns
     ds107 = [v for v in read_jsonl(tmp_path / "violations.jsonl") if v["rule"] == "DS107"]
-    assert [(v["session_id"], v["action_id"]) for v in ds107] == [("conv-wait", "approval:deploy_release:call-7")]
+    assert [(v["session_id"], v["action_id"], v["time_unix_nano"]) for v in ds107] == [(session, wait_id, deadline_ns)]
 
 
 @pytest.fixture(autouse=True)

@@ -42,6 +42,7 @@ _INTERRUPT_ID: Final = re.compile(r"\bid='([0-9A-Za-z_-]{1,128})'")
 # How LangGraph's Command serialises: every field is present, resume among them.
 _COMMAND_PREFIX: Final = '{"graph": '
 _ID_LIMIT: Final = 256
+_STATUS_CODE_ERROR: Final = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +210,14 @@ def read(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Read
         reading = _langgraph_resume(found, span, options, thread)
         if reading.derived:
             return reading
-    if options.langgraph_checkpoints and thread and meta.get("langgraph_node") == span.name and span.end_time_unix_nano:
+    # A step that failed saved nothing: LangGraph checkpoints the steps that completed.
+    if (
+        options.langgraph_checkpoints
+        and thread
+        and meta.get("langgraph_node") == span.name
+        and span.end_time_unix_nano
+        and span.status.code != _STATUS_CODE_ERROR
+    ):
         namespace = _short(meta.get("langgraph_checkpoint_ns")) or span.span_id.hex()
         if _interrupt_id(span) is None:
             fields = {"action_id": f"checkpoint:{thread}:{namespace}", "kind": "checkpoint", "result": True}

@@ -16,6 +16,7 @@ and only up to a size bound; nothing read is copied into a record except ids and
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ _INTERRUPT_ID: Final = re.compile(r"\bid='([0-9A-Za-z_-]{1,128})'")
 _COMMAND_PREFIX: Final = '{"graph": '
 _ID_LIMIT: Final = 256
 _STATUS_CODE_ERROR: Final = 2
+# How LangChain's tracer serialises node metadata (json.dumps with its default separators).
+_NODE_KEY: Final = '"langgraph_node": '
+_THREAD_KEY: Final = '"thread_id": '
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,50 +180,65 @@ def _langgraph_resume(found: dict[str, AnyValue], span: Any, options: ConvertOpt
     return Reading(tuple(derived))
 
 
+@functools.lru_cache(maxsize=1024)
+def _node_key(name: str) -> str:
+    """``"langgraph_node": "<name>"`` as the metadata spells it (a graph has a few node names: cached)."""
+    return _NODE_KEY + json.dumps(name, ensure_ascii=False)
+
+
 def _metadata(found: dict[str, AnyValue]) -> dict[str, Any] | None:
     meta = _loads(found.get(OI_METADATA), "{")
     return meta if isinstance(meta, dict) else None
 
 
 def read(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Reading:
-    """The framework records ``span`` implies (``found``: its attributes of the keys this module reads)."""
-    if not options.framework_approvals and not options.langgraph_checkpoints:
-        return NOTHING
+    """The framework records ``span`` implies (``found``: its attributes of the keys this module reads).
+
+    Cheap tests come first: most spans that hold these keys (every LangChain span has
+    ``metadata`` and ``input.value``) imply nothing, and are let go without parsing.
+    """
     if options.framework_approvals and PYDANTIC_AI_FINAL_RESULT in found:
         operation = found.get(GENAI_OPERATION)
         if operation is not None and text(operation) == "invoke_agent":
             return _pydantic_ai_deferred(found, span, options)
     span_kind = found.get(OI_SPAN_KIND)
-    if span_kind is None or OI_METADATA not in found:
+    raw_meta = found.get(OI_METADATA)
+    if span_kind is None or raw_meta is None:
         return NOTHING
     kind = (text(span_kind) or "").upper()
-    meta = _metadata(found)
-    if meta is None:
-        return NOTHING
-    thread = _short(meta.get("thread_id"))
-    if options.framework_approvals and kind == "TOOL" and len(span.events) > 0:
+    if kind == "TOOL":
+        if not options.framework_approvals or len(span.events) == 0:
+            return NOTHING
         interrupt = _interrupt_id(span)
-        if interrupt is not None:
-            tool = found.get(OI_TOOL_NAME)
-            name = (text(tool) if tool is not None else None) or span.name
-            time_ns = span.end_time_unix_nano or span.start_time_unix_nano
-            return Reading((_wait(name, interrupt, "awaiting_approval", options, time_ns),), suppress_span=True)
+        if interrupt is None:
+            return NOTHING
+        tool = found.get(OI_TOOL_NAME)
+        name = (text(tool) if tool is not None else None) or span.name
+        time_ns = span.end_time_unix_nano or span.start_time_unix_nano
+        return Reading((_wait(name, interrupt, "awaiting_approval", options, time_ns),), suppress_span=True)
     if kind not in ("CHAIN", "AGENT"):
         return NOTHING
-    if options.framework_approvals and "langgraph_node" not in meta:
-        reading = _langgraph_resume(found, span, options, thread)
-        if reading.derived:
-            return reading
-    # A step that failed saved nothing: LangGraph checkpoints the steps that completed.
-    if (
-        options.langgraph_checkpoints
-        and thread
-        and meta.get("langgraph_node") == span.name
-        and span.end_time_unix_nano
-        and span.status.code != _STATUS_CODE_ERROR
-    ):
-        namespace = _short(meta.get("langgraph_checkpoint_ns")) or span.span_id.hex()
-        if _interrupt_id(span) is None:
-            fields = {"action_id": f"checkpoint:{thread}:{namespace}", "kind": "checkpoint", "result": True}
-            return Reading((Derived(fields, span.end_time_unix_nano),))
-    return NOTHING
+    # A Command is the input of a graph run, the root span of its trace (a graph run inside
+    # another's trace is a node there); only roots pay for reading their input.
+    if options.framework_approvals and not span.parent_span_id:
+        command = found.get(OI_INPUT_VALUE)
+        if command is not None and (text(command) or "").startswith(_COMMAND_PREFIX):
+            meta = _metadata(found)
+            if meta is not None and "langgraph_node" not in meta:
+                reading = _langgraph_resume(found, span, options, _short(meta.get("thread_id")))
+                if reading.derived:
+                    return reading
+    if not options.langgraph_checkpoints or not span.end_time_unix_nano or span.status.code == _STATUS_CODE_ERROR:
+        # A step that failed saved nothing: LangGraph checkpoints the steps that completed.
+        return NOTHING
+    # Only the node's own span (not the runnables inside it) ends the step: its name is the node's.
+    raw = text(raw_meta) or ""
+    if _THREAD_KEY not in raw or _node_key(span.name) not in raw:
+        return NOTHING
+    meta = _metadata(found)
+    thread = _short(meta.get("thread_id")) if meta is not None else None
+    if meta is None or thread is None or meta.get("langgraph_node") != span.name or _interrupt_id(span) is not None:
+        return NOTHING
+    namespace = _short(meta.get("langgraph_checkpoint_ns")) or span.span_id.hex()
+    fields = {"action_id": f"checkpoint:{thread}:{namespace}", "kind": "checkpoint", "result": True}
+    return Reading((Derived(fields, span.end_time_unix_nano),))

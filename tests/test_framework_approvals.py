@@ -13,13 +13,14 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 import agents
 import pytest
 from langchain_core.tools import InjectedToolCallId, tool
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, StateGraph
 from langgraph.prebuilt import create_react_agent
 from langgraph.types import Command, interrupt
 from openai import AsyncOpenAI
@@ -240,6 +241,52 @@ def test_langgraph_denied_but_executed_is_ds109() -> None:
     assert _langgraph_refund(traced, "reject", honour=False) == ["42"]
     found = verdicts(traced.actions())
     assert found == [("DS109", "refund-42")]
+
+
+class _Review(TypedDict):
+    plan: str
+    approved: bool
+
+
+@pytest.mark.parametrize(("answer", "decision"), [("approve", "granted"), ("reject", "denied")])
+def test_langgraph_interrupt_in_a_review_node_is_a_wait(answer: str, decision: str) -> None:
+    traced = Traced()
+
+    def human_review(state: _Review) -> dict[str, bool]:
+        return {"approved": interrupt({"plan": state["plan"]}) == "approve"}
+
+    def act(state: _Review) -> dict[str, bool]:
+        if state["approved"]:
+            with annotate.action("deploy", "deploy", action_id="deploy-v2", session_id="th-review",
+                                 idempotency_key="deploy-v2", tracer_provider=traced.provider):
+                pass
+        return {}
+
+    graph = StateGraph(_Review)
+    graph.add_node("human_review", human_review)
+    graph.add_node("act", act)
+    graph.add_edge(START, "human_review")
+    graph.add_edge("human_review", "act")
+    graph.add_edge("act", END)
+    app = graph.compile(checkpointer=InMemorySaver())
+    config: Any = {"configurable": {"thread_id": "th-review"}}
+    with _lock:
+        instrumentor = LangChainInstrumentor()
+        instrumentor.instrument(tracer_provider=traced.provider)
+        try:
+            first = app.invoke({"plan": "v2", "approved": False}, config)
+            app.invoke(Command(resume=answer), config)
+        finally:
+            instrumentor.uninstrument()
+    actions = traced.actions()
+    [wait] = actions_with(actions, "workflow_state")
+    assert wait["action_id"] == f"approval:human_review:{first['__interrupt__'][0].id}"
+    assert [d["approval_decision"] for d in actions_with(actions, "approval_decision")] == [decision]
+    assert len(records(actions, "deploy")) == (1 if decision == "granted" else 0)
+    # Each completed step is a checkpoint: the deploy is followed by one (no DS110), and the
+    # interrupted review step is not.
+    assert len(records(actions, "checkpoint")) == 2
+    assert verdicts(actions) == []
 
 
 def actions_with(actions: Sequence[Action], field: str) -> list[dict[str, Any]]:

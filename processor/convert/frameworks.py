@@ -42,6 +42,8 @@ _INTERRUPT_TYPE: Final = "GraphInterrupt"
 _INTERRUPT_ID: Final = re.compile(r"\bid='([0-9A-Za-z_-]{1,128})'")
 # How LangGraph's Command serialises: every field is present, resume among them.
 _COMMAND_PREFIX: Final = '{"graph": '
+# How a ToolNode task's input starts (the tool call it runs, sent with its state).
+_TOOL_CALL_INPUT: Final = '{"__type": "tool_call_with_context"'
 _ID_LIMIT: Final = 256
 _STATUS_CODE_ERROR: Final = 2
 # How LangChain's tracer serialises node metadata (json.dumps with its default separators).
@@ -228,7 +230,7 @@ def read(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Read
                 reading = _langgraph_resume(found, span, options, _short(meta.get("thread_id")))
                 if reading.derived:
                     return reading
-    if not options.langgraph_checkpoints or not span.end_time_unix_nano or span.status.code == _STATUS_CODE_ERROR:
+    if not span.end_time_unix_nano or span.status.code == _STATUS_CODE_ERROR:
         # A step that failed saved nothing: LangGraph checkpoints the steps that completed.
         return NOTHING
     # Only the node's own span (not the runnables inside it) ends the step: its name is the node's.
@@ -237,8 +239,24 @@ def read(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Read
         return NOTHING
     meta = _metadata(found)
     thread = _short(meta.get("thread_id")) if meta is not None else None
-    if meta is None or thread is None or meta.get("langgraph_node") != span.name or _interrupt_id(span) is not None:
+    if meta is None or thread is None or meta.get("langgraph_node") != span.name:
+        return NOTHING
+    interrupt = _interrupt_id(span) if len(span.events) > 0 else None
+    if interrupt is not None:
+        # interrupt() in a node of its own (a human review step) is the wait; in a tool node
+        # the tool's span already is.
+        if not options.framework_approvals or _tool_node(found, span.name):
+            return NOTHING
+        return Reading((_wait(span.name, interrupt, "awaiting_approval", options, span.end_time_unix_nano),))
+    if not options.langgraph_checkpoints:
         return NOTHING
     namespace = _short(meta.get("langgraph_checkpoint_ns")) or span.span_id.hex()
     fields = {"action_id": f"checkpoint:{thread}:{namespace}", "kind": "checkpoint", "result": True}
     return Reading((Derived(fields, span.end_time_unix_nano),))
+
+
+def _tool_node(found: dict[str, AnyValue], name: str) -> bool:
+    """A LangGraph ToolNode task: its input is the tool call it runs (or, called with the whole
+    state, it has the prebuilt agents' name for it)."""
+    value = found.get(OI_INPUT_VALUE)
+    return name == "tools" or (value is not None and (text(value) or "").startswith(_TOOL_CALL_INPUT))

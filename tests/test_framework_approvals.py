@@ -494,3 +494,19 @@ def test_oversized_or_broken_payloads_are_not_parsed() -> None:
     )
     result = SpanConverter().convert(request, "test")
     assert result.actions == [] and result.rejected == [] and result.spans_not_actions == 3
+
+
+def test_framework_options_are_read_and_checked() -> None:
+    from processor.config import parse_config
+    from processor.errors import ConfigError
+
+    config = parse_config("convert: {approval_wait_timeout: 2h, langgraph_checkpoints: false, "
+                          "approval_grant_words: [sure]}", "test.yaml")
+    assert config.convert.approval_wait_timeout == 7200
+    assert config.convert.langgraph_checkpoints is False
+    assert list(config.convert.approval_grant_words) == ["sure"]
+    with pytest.raises(ConfigError) as error:
+        parse_config("convert: {approval_grant_words: [Sure, ok], approval_deny_words: [ok]}", "test.yaml")
+    message = str(error.value)
+    assert "convert.approval_grant_words[0]: a resume value is compared in lower case" in message
+    assert "convert.approval_deny_words: also a grant word: ok" in message

@@ -510,3 +510,20 @@ def test_framework_options_are_read_and_checked() -> None:
     message = str(error.value)
     assert "convert.approval_grant_words[0]: a resume value is compared in lower case" in message
     assert "convert.approval_deny_words: also a grant word: ok" in message
+
+
+def test_langgraph_spans_convert_the_same_from_an_otlp_json_file(tmp_path: Path) -> None:
+    """What replay reads from a Collector file dump (OTLP/JSON, attributes filtered by the converter)."""
+    from processor.receive.files import read_input
+    from tests._spans import otlp_json_from_request
+
+    traced = Traced()
+    _langgraph_refund(traced, "approve")
+    request = traced.request()
+    dump = tmp_path / "traces.jsonl"
+    dump.write_bytes(otlp_json_from_request(request) + b"\n")
+    converter = SpanConverter(ConvertOptions(approval_wait_timeout=WAIT))
+    from_file = [item.record for item in read_input(str(dump), None, converter) if isinstance(item, Action)]
+    from_proto = [a.record for a in traced.actions()]
+    assert from_file == from_proto
+    assert any(r.get("workflow_state") == "awaiting_approval" for r in from_file)

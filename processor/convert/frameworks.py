@@ -35,6 +35,10 @@ PYDANTIC_AI_FINAL_RESULT: Final = "final_result"
 OI_INPUT_VALUE: Final = "input.value"
 OI_METADATA: Final = "metadata"
 KEYS: Final = frozenset({PYDANTIC_AI_FINAL_RESULT, OI_INPUT_VALUE, OI_METADATA})
+# Read on span events (LangGraph's interrupt is an exception event).
+EXCEPTION_TYPE: Final = "exception.type"
+EXCEPTION_MESSAGE: Final = "exception.message"
+EVENT_KEYS: Final = frozenset({EXCEPTION_TYPE, EXCEPTION_MESSAGE})
 
 # Payloads past this size are not parsed: a deferred-tools result or a resume command is small.
 _PARSE_LIMIT: Final = 64 * 1024
@@ -124,9 +128,9 @@ def _interrupt_id(span: Any) -> str | None:
             continue
         kind = message = ""
         for kv in event.attributes:
-            if kv.key == "exception.type":
+            if kv.key == EXCEPTION_TYPE:
                 kind = text(kv.value) or ""
-            elif kv.key == "exception.message":
+            elif kv.key == EXCEPTION_MESSAGE:
                 message = text(kv.value) or ""
         if kind.rsplit(".", 1)[-1] == _INTERRUPT_TYPE:
             match = _INTERRUPT_ID.search(message[:_PARSE_LIMIT])

@@ -127,7 +127,11 @@ class SpanConverter:
 
     def reads_attribute(self, key: str) -> bool:
         """Whether conversion ever looks at an attribute of this key (decoders may skip the rest)."""
-        return key in self._resource_wanted or (self._scan_output_prefix and key.startswith(OI_OUTPUT_MESSAGES_PREFIX))
+        return (
+            key in self._resource_wanted
+            or (self._scan_output_prefix and key.startswith(OI_OUTPUT_MESSAGES_PREFIX))
+            or (self.options.framework_approvals and key in frameworks.EVENT_KEYS)
+        )
 
     def convert(self, request: Any, origin: str = "", seq_start: int = 0) -> ConvertResult:
         """``request``: an ExportTraceServiceRequest or a TracesData (both hold resource_spans)."""

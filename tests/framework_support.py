@@ -8,11 +8,15 @@ works the same under every framework.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import agents
+import orjson
 from langchain_core.tools import StructuredTool
 from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
@@ -21,19 +25,23 @@ from openai import AsyncOpenAI
 from openinference.instrumentation.langchain import LangChainInstrumentor
 from openinference.instrumentation.openai_agents import OpenAIAgentsInstrumentor
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic_ai import Agent
 from pydantic_ai.models.instrumented import InstrumentationSettings
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
+from processor import cli
 from processor.convert.options import ConvertOptions
 from processor.convert.spans import SpanConverter
 from processor.records import Action
+from tests._spans import otlp_json_from_request
 from tests.fake_openai_server import Script, fake_openai
+from tests.serve_support import Key, config_file, keys_of, read_jsonl, running, serve_config, wait_for
 
 FRAMEWORKS = ("pydantic-ai", "langgraph", "agents-sdk")
 # Instrumentation is process-wide: one framework run at a time.
@@ -128,3 +136,28 @@ def _agents_sdk(process: Process, url: str, tools: Mapping[str, Tool]) -> None:
         agents.Runner.run_sync(agent, "plan my trip")
     finally:
         instrumentor.uninstrument()
+
+
+def serve_and_replay(tmp_path: Path, processes: Sequence[Process], convert: Mapping[str, Any] | None = None
+                     ) -> set[Key]:
+    """Export the processes' spans over OTLP/HTTP to a real ``serve`` and write them to an OTLP/JSON
+    dump; ``replay`` the dump with the same configuration. Both must find the same violations,
+    which are returned as (rule, session, action id)."""
+    extra = {"convert": dict(convert or {})}
+    config = serve_config(tmp_path, extra)
+    spans = sum(len(p.memory.get_finished_spans()) for p in processes)
+    with running(config) as server:
+        for process in processes:
+            exporter = HttpSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=10)
+            assert exporter.export(process.memory.get_finished_spans()) is SpanExportResult.SUCCESS
+            exporter.shutdown()
+        assert wait_for(lambda: server.worker.processed_spans >= spans, 20)
+    served = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    dump = tmp_path / "dump.jsonl"
+    dump.write_bytes(b"".join(otlp_json_from_request(p.request()) + b"\n" for p in processes))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["replay", "--format", "json", "--config", str(config_file(tmp_path, extra)), str(dump)])
+    replayed = {(v["rule"], v["session_id"], v["action_id"]) for v in orjson.loads(out.getvalue())["violations"]}
+    assert served == replayed
+    return served

@@ -44,6 +44,7 @@ from processor.evaluate.engine import Engine, EngineOptions
 from processor.records import Action
 from tests._engine_util import shipped
 from tests.fake_openai_server import Script, fake_openai
+from tests.framework_support import serve_and_replay
 from tests.serve_support import keys_of, read_jsonl, replay_keys, running, serve_config, wait_for
 
 _lock = threading.Lock()  # instrumentation is process-wide: one framework run at a time
@@ -68,6 +69,12 @@ class Traced:
 # What these tests are about; DS001 (a model reply is not a durably recorded result unless
 # telemetry is the log) fires on every framework's model calls and is tested elsewhere.
 RULES = frozenset({"DS002", "DS009", "DS101", "DS105", "DS106", "DS107", "DS108", "DS109", "DS110"})
+
+
+def served(tmp_path: Path, traced: Traced) -> list[tuple[str, str]]:
+    """The same verdicts from a real serve over OTLP and from replay of a dump (which must agree)."""
+    found = serve_and_replay(tmp_path, [traced], {"approval_wait_timeout": "1h"})  # type: ignore[list-item]
+    return sorted((rule, action) for rule, _, action in found if rule in RULES)
 
 
 def verdicts(actions: Sequence[Action]) -> list[tuple[str, str]]:
@@ -133,27 +140,30 @@ def test_pydantic_ai_deferred_approval_is_a_wait_naming_the_tool_and_call() -> N
     assert ("DS106", "approval:refund_payment:call-1") in verdicts(traced.actions(ConvertOptions()))
 
 
-def test_pydantic_ai_granted_runs_the_tool_and_is_clean() -> None:
+def test_pydantic_ai_granted_runs_the_tool_and_is_clean(tmp_path: Path) -> None:
     traced = Traced()
     assert _pydantic_refund(traced, approve=True, decided="granted") == ["42"]
     actions = traced.actions()
     assert [r["action_id"] for r in records(actions, "payment")] == ["call-1"]
     assert verdicts(actions) == [("DS110", "call-1")]  # pydantic-ai saves no checkpoint: the checker says so
+    assert served(tmp_path, traced) == verdicts(traced.actions())
 
 
-def test_pydantic_ai_denied_skips_the_tool_and_is_clean() -> None:
+def test_pydantic_ai_denied_skips_the_tool_and_is_clean(tmp_path: Path) -> None:
     traced = Traced()
     assert _pydantic_refund(traced, approve=False, decided="denied") == []
     actions = traced.actions()
     assert records(actions, "payment") == []
     assert verdicts(actions) == []
+    assert served(tmp_path, traced) == verdicts(traced.actions())
 
 
-def test_pydantic_ai_denied_but_executed_is_ds109() -> None:
+def test_pydantic_ai_denied_but_executed_is_ds109(tmp_path: Path) -> None:
     traced = Traced()
     # The human said no, but the code approved the call anyway.
     assert _pydantic_refund(traced, approve=True, decided="denied") == ["42"]
     assert ("DS109", "call-1") in verdicts(traced.actions())
+    assert served(tmp_path, traced) == verdicts(traced.actions())
 
 
 # -- LangGraph -----------------------------------------------------------------------------------
@@ -215,10 +225,11 @@ def test_langgraph_interrupt_is_a_wait_and_resume_a_decision() -> None:
     assert records(actions, "checkpoint")  # a step of a checkpointed run
 
 
-def test_langgraph_granted_runs_the_tool_and_is_clean() -> None:
+def test_langgraph_granted_runs_the_tool_and_is_clean(tmp_path: Path) -> None:
     traced = Traced()
     assert _langgraph_refund(traced, "approve") == ["42"]
     assert verdicts(traced.actions()) == []
+    assert served(tmp_path, traced) == verdicts(traced.actions())
 
 
 def test_langgraph_without_checkpointer_awareness_is_ds110() -> None:
@@ -228,19 +239,21 @@ def test_langgraph_without_checkpointer_awareness_is_ds110() -> None:
     assert [rule for rule, _ in found] == ["DS110"]
 
 
-def test_langgraph_denied_skips_the_refund_and_is_clean() -> None:
+def test_langgraph_denied_skips_the_refund_and_is_clean(tmp_path: Path) -> None:
     traced = Traced()
     assert _langgraph_refund(traced, "reject") == []
     actions = traced.actions()
     assert [d["approval_decision"] for d in actions_with(actions, "approval_decision")] == ["denied"]
     assert verdicts(actions) == []
+    assert served(tmp_path, traced) == verdicts(traced.actions())
 
 
-def test_langgraph_denied_but_executed_is_ds109() -> None:
+def test_langgraph_denied_but_executed_is_ds109(tmp_path: Path) -> None:
     traced = Traced()
     assert _langgraph_refund(traced, "reject", honour=False) == ["42"]
     found = verdicts(traced.actions())
     assert found == [("DS109", "refund-42")]
+    assert served(tmp_path, traced) == verdicts(traced.actions())
 
 
 class _Review(TypedDict):
@@ -249,7 +262,7 @@ class _Review(TypedDict):
 
 
 @pytest.mark.parametrize(("answer", "decision"), [("approve", "granted"), ("reject", "denied")])
-def test_langgraph_interrupt_in_a_review_node_is_a_wait(answer: str, decision: str) -> None:
+def test_langgraph_interrupt_in_a_review_node_is_a_wait(answer: str, decision: str, tmp_path: Path) -> None:
     traced = Traced()
 
     def human_review(state: _Review) -> dict[str, bool]:
@@ -287,6 +300,7 @@ def test_langgraph_interrupt_in_a_review_node_is_a_wait(answer: str, decision: s
     # interrupted review step is not.
     assert len(records(actions, "checkpoint")) == 2
     assert verdicts(actions) == []
+    assert served(tmp_path, traced) == []
 
 
 def actions_with(actions: Sequence[Action], field: str) -> list[dict[str, Any]]:
@@ -348,13 +362,17 @@ def _agents_refund(traced: Traced, approve: bool, *, decided: str | None, group:
     (False, "denied", [], []),
     (True, "denied", ["42"], ["DS109"]),
 ])
-def test_agents_sdk_approvals(approve: bool, decided: str, refunded: list[str], expected: list[str]) -> None:
+def test_agents_sdk_approvals(approve: bool, decided: str, refunded: list[str], expected: list[str],
+                              tmp_path: Path) -> None:
     os.environ.setdefault("OPENAI_API_KEY", "sk-fake")
     traced = Traced()
     assert _agents_refund(traced, approve, decided=decided) == refunded
     actions = [a for a in traced.actions() if a.session_id == "conv-9"]
     found = [rule for rule, _ in verdicts(actions) if rule != "DS110"]  # the SDK saves no checkpoint
     assert found == expected
+    # The pending call's span, in the trace's own session, reads as a refund that ran (DS002):
+    # the known gap of this instrumentation (docs/frameworks.md).
+    assert [rule for rule, action in served(tmp_path, traced) if action == "refund-42" and rule != "DS110"] == expected
 
 
 # -- serve: the same verdicts over OTLP, and a deadline that passes ----------------------------

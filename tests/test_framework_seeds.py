@@ -14,6 +14,7 @@ test_framework_approvals.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from processor.evaluate.engine import Engine, EngineOptions
 from processor.records import Action
 from processor.violations import Violation
 from tests._engine_util import shipped
-from tests.framework_support import FRAMEWORKS, Process, run_program
+from tests.framework_support import FRAMEWORKS, Process, run_program, serve_and_replay
 
 SESSION = "trip-2291"
 
@@ -62,7 +63,7 @@ def _deposit(process: Process, *, crash: bool, checkpoint: bool) -> Any:
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_crash_between_side_effect_and_completion(framework: str) -> None:
+def test_crash_between_side_effect_and_completion(framework: str, tmp_path: Path) -> None:
     saver = InMemorySaver()  # LangGraph's checkpointer: a database both instances share
     calls = [("take_deposit", {"order": "42"})]
     before = Process("pod-a")
@@ -81,10 +82,12 @@ def test_crash_between_side_effect_and_completion(framework: str) -> None:
         # ...so recovery ran it again instead of replaying it.
         ("DS110", "pay-deposit", "pod-a"),
     ]
+    served = serve_and_replay(tmp_path, [before, after])
+    assert {("DS101", SESSION, "pay-deposit"), ("DS110", SESSION, "pay-deposit")} <= served
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_retry_after_transient_failure_is_clean(framework: str) -> None:
+def test_retry_after_transient_failure_is_clean(framework: str, tmp_path: Path) -> None:
     process = Process("pod-a")
     attempts: list[int] = []
 
@@ -107,6 +110,7 @@ def test_retry_after_transient_failure_is_clean(framework: str) -> None:
     searches = [a.record for a in actions if a.record["action_id"] == "search"]
     assert [(r["status"], r["attempts"]) for r in searches] == [("error", 1), ("ok", 2)]
     assert verdicts(actions) == []
+    assert {rule for rule, _, _ in serve_and_replay(tmp_path, [process])} <= {"DS001"}  # model replies only
 
 
 def _trip(process: Process, *, replayed: bool, approved: bool) -> dict[str, Any]:
@@ -134,7 +138,7 @@ def _trip(process: Process, *, replayed: bool, approved: bool) -> dict[str, Any]
     return {"ask_traveller": ask_traveller, "request_booking": request_booking}
 
 
-def _resumed_workflow(framework: str, *, reask: bool) -> list[Action]:
+def _resumed_workflow(framework: str, *, reask: bool, tmp_path: Path) -> tuple[list[Action], set[Any]]:
     calls = [("ask_traveller", {"order": "42"}), ("request_booking", {"order": "42"})]
     saver = InMemorySaver()
     before = Process("pod-a")
@@ -150,29 +154,32 @@ def _resumed_workflow(framework: str, *, reask: bool) -> list[Action]:
     resume = framework == "langgraph" and not reask
     run_program(framework, after, calls, _trip(after, replayed=not reask, approved=True), session=SESSION,
                 saver=saver if resume else InMemorySaver(), resume=resume)
-    return before.actions() + after.actions()
+    return before.actions() + after.actions(), serve_and_replay(tmp_path, [before, after])
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_workflow_resumed_after_delay_with_replayed_outcomes_is_clean(framework: str) -> None:
-    actions = _resumed_workflow(framework, reask=False)
+def test_workflow_resumed_after_delay_with_replayed_outcomes_is_clean(framework: str, tmp_path: Path) -> None:
+    actions, served = _resumed_workflow(framework, reask=False, tmp_path=tmp_path)
+    assert {rule for rule, _, _ in served} <= {"DS001"}  # model replies only
     out, engine = check(actions)
     assert out == []
     assert engine.summary().open_waits == []
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_workflow_resumed_after_delay_that_reasks_the_human(framework: str) -> None:
+def test_workflow_resumed_after_delay_that_reasks_the_human(framework: str, tmp_path: Path) -> None:
     expected = [("DS101", "ask-dates", "pod-c")]
     if framework == "pydantic-ai":
         # pydantic-ai's tool span carries the model's call id, the same in both runs: the
         # re-executed tool call is reported too.
         expected.append(("DS101", "call_ask_traveller_1", "pod-c"))
-    assert verdicts(_resumed_workflow(framework, reask=True)) == expected
+    actions, served = _resumed_workflow(framework, reask=True, tmp_path=tmp_path)
+    assert verdicts(actions) == expected
+    assert {(rule, action) for rule, _, action in served if rule != "DS001"} == {(r, a) for r, a, _ in expected}
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_duplicate_delivery_counts_once(framework: str) -> None:
+def test_duplicate_delivery_counts_once(framework: str, tmp_path: Path) -> None:
     process = Process("pod-a")
 
     def take_deposit(order: str) -> str:
@@ -192,3 +199,6 @@ def test_duplicate_delivery_counts_once(framework: str) -> None:
     out, engine = check(once[:2] + twice + once[2:])
     assert sorted(v.violation_id for v in out) == sorted(v.violation_id for v in single)
     assert engine.duplicates == len(twice)
+    # Over OTLP too: the same spans sent twice, and in the dump twice.
+    served = serve_and_replay(tmp_path, [process, process])
+    assert {(rule, action) for rule, _, action in served if rule != "DS001"} == {("DS002", "pay")}

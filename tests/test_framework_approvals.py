@@ -545,3 +545,25 @@ def test_langgraph_spans_convert_the_same_from_an_otlp_json_file(tmp_path: Path)
     from_proto = [a.record for a in traced.actions()]
     assert from_file == from_proto
     assert any(r.get("workflow_state") == "awaiting_approval" for r in from_file)
+
+
+def test_a_resume_nested_past_any_reason_is_no_decision_and_no_crash() -> None:
+    from tests.serve_support import make_request
+
+    deep = '{"decision": ' * 20 + '"approve"' + "}" * 20
+    deeper = "[" * 30_000 + "]" * 30_000  # more nesting than the JSON parser takes
+    requests = [make_request({"openinference.span.kind": "CHAIN", "metadata": '{"thread_id": "t"}',
+                              "input.value": '{"graph": null, "resume": ' + value + "}"}) for value in (deep, deeper)]
+    nested, broken = (SpanConverter().convert(request, "test") for request in requests)
+    assert [a.record["workflow_state"] for a in nested.actions] == ["executing"]  # an answer, not a decision
+    assert broken.actions == [] and broken.rejected == []
+
+
+def test_a_resume_keyed_by_interrupt_id_carries_it_as_plan() -> None:
+    from tests.serve_support import make_request
+
+    command = '{"graph": null, "update": null, "resume": {"' + "ab" * 16 + '": "reject"}, "goto": []}'
+    request = make_request({"openinference.span.kind": "CHAIN", "input.value": command,
+                            "metadata": '{"thread_id": "t"}'})
+    [action] = SpanConverter().convert(request, "test").actions
+    assert (action.record["approval_decision"], action.record["plan_version"]) == ("denied", "ab" * 16)

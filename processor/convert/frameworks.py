@@ -49,6 +49,10 @@ _COMMAND_PREFIX: Final = '{"graph": '
 # How a ToolNode task's input starts (the tool call it runs, sent with its state).
 _TOOL_CALL_INPUT: Final = '{"__type": "tool_call_with_context"'
 _ID_LIMIT: Final = 256
+# LangGraph's interrupt ids: 32 hex digits (a hash of the task's checkpoint namespace).
+_INTERRUPT_KEY: Final = re.compile(r"[0-9a-f]{32}")
+# How deep a resume value is searched for a decision ({"decision": {"type": "approve"}}).
+_DECISION_DEPTH: Final = 4
 _STATUS_CODE_ERROR: Final = 2
 # How LangChain's tracer serialises node metadata (json.dumps with its default separators).
 _NODE_KEY: Final = '"langgraph_node": '
@@ -81,7 +85,7 @@ def _loads(value: AnyValue | None, prefix: str) -> Any:
         return None
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting deep enough to exhaust the parser is no command either
         return None
 
 
@@ -138,8 +142,10 @@ def _interrupt_id(span: Any) -> str | None:
     return None
 
 
-def _decision(resume: Any, options: ConvertOptions) -> str | None:
+def _decision(resume: Any, options: ConvertOptions, depth: int = 0) -> str | None:
     """granted / denied when the resume value reads as one (a word, a boolean, or a dict naming it)."""
+    if depth > _DECISION_DEPTH:
+        return None
     if isinstance(resume, bool):
         return "granted" if resume else "denied"
     if isinstance(resume, str):
@@ -155,10 +161,10 @@ def _decision(resume: Any, options: ConvertOptions) -> str | None:
                 return "granted" if resume[key] else "denied"
         for key in ("decision", "type", "action"):
             if key in resume:
-                return _decision(resume[key], options)
+                return _decision(resume[key], options, depth + 1)
         decisions = resume.get("decisions")
         if isinstance(decisions, list) and decisions:
-            found = {_decision(d, options) for d in decisions}
+            found = {_decision(d, options, depth + 1) for d in decisions}
             return "denied" if "denied" in found else ("granted" if found == {"granted"} else None)
     return None
 
@@ -168,8 +174,9 @@ def _langgraph_resume(found: dict[str, AnyValue], span: Any, options: ConvertOpt
     if not isinstance(command, dict) or "resume" not in command or command.get("resume") is None:
         return NOTHING
     resume = command["resume"]
-    keyed = isinstance(resume, dict) and resume and all(_INTERRUPT_ID.fullmatch(f"id='{k}'") for k in resume)
-    answers = list(resume.items()) if keyed and all(len(k) == 32 for k in resume) else [(None, resume)]
+    # Command(resume={interrupt_id: value, ...}) answers each interrupt by its id.
+    keyed = isinstance(resume, dict) and resume and all(_INTERRUPT_KEY.fullmatch(k) for k in resume)
+    answers: list[tuple[str | None, Any]] = list(resume.items()) if keyed else [(None, resume)]
     derived: list[Derived] = []
     time_ns = span.start_time_unix_nano
     for index, (interrupt, value) in enumerate(answers):

@@ -1,8 +1,8 @@
 """A local stand-in for the OpenAI chat completions API, for driving real agent frameworks offline.
 
-It answers ``POST /v1/chat/completions`` on 127.0.0.1: while the conversation's last
-message is from the user, with a call of the next tool in the script; once a tool
-result has come back, with a short text. Nothing leaves the machine.
+It answers ``POST /v1/chat/completions`` on 127.0.0.1 with a call of the next tool in
+the script (the conversation's tool calls so far say which is next) and, once the
+script is done, with a short text. Nothing leaves the machine.
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ class Script:
 
     calls: Sequence[tuple[str, dict[str, Any]]] = ()
     requests: list[dict[str, Any]] = field(default_factory=list)
+    # Answer the request after this many tool results with HTTP 500 (the provider fails).
+    fail_after_results: int | None = None
     _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def reply(self, body: dict[str, Any]) -> dict[str, Any]:
         self.requests.append(body)
         messages = body.get("messages") or []
-        last = messages[-1] if messages else {}
         index = sum(1 for m in messages if m.get("role") == "assistant" and m.get("tool_calls"))
         message: dict[str, Any]
-        if last.get("role") != "tool" and index < len(self.calls):
+        if index < len(self.calls):
             name, arguments = self.calls[index]
             message = {
                 "role": "assistant",
@@ -68,6 +69,10 @@ def _handler(script: Script) -> type[BaseHTTPRequestHandler]:
                 self.send_error(404)
                 return
             body = json.loads(self.rfile.read(length) or b"{}")
+            results = sum(1 for m in body.get("messages") or [] if m.get("role") == "tool")
+            if script.fail_after_results is not None and results >= script.fail_after_results:
+                self.send_error(500)
+                return
             payload = json.dumps(script.reply(body)).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")

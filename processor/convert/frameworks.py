@@ -16,6 +16,7 @@ and only up to a size bound; nothing read is copied into a record except ids and
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ PYDANTIC_AI_FINAL_RESULT: Final = "final_result"
 OI_INPUT_VALUE: Final = "input.value"
 OI_METADATA: Final = "metadata"
 KEYS: Final = frozenset({PYDANTIC_AI_FINAL_RESULT, OI_INPUT_VALUE, OI_METADATA})
+# Read on span events (LangGraph's interrupt is an exception event).
+EXCEPTION_TYPE: Final = "exception.type"
+EXCEPTION_MESSAGE: Final = "exception.message"
+EVENT_KEYS: Final = frozenset({EXCEPTION_TYPE, EXCEPTION_MESSAGE})
 
 # Payloads past this size are not parsed: a deferred-tools result or a resume command is small.
 _PARSE_LIMIT: Final = 64 * 1024
@@ -41,7 +46,17 @@ _INTERRUPT_TYPE: Final = "GraphInterrupt"
 _INTERRUPT_ID: Final = re.compile(r"\bid='([0-9A-Za-z_-]{1,128})'")
 # How LangGraph's Command serialises: every field is present, resume among them.
 _COMMAND_PREFIX: Final = '{"graph": '
+# How a ToolNode task's input starts (the tool call it runs, sent with its state).
+_TOOL_CALL_INPUT: Final = '{"__type": "tool_call_with_context"'
 _ID_LIMIT: Final = 256
+# LangGraph's interrupt ids: 32 hex digits (a hash of the task's checkpoint namespace).
+_INTERRUPT_KEY: Final = re.compile(r"[0-9a-f]{32}")
+# How deep a resume value is searched for a decision ({"decision": {"type": "approve"}}).
+_DECISION_DEPTH: Final = 4
+_STATUS_CODE_ERROR: Final = 2
+# How LangChain's tracer serialises node metadata (json.dumps with its default separators).
+_NODE_KEY: Final = '"langgraph_node": '
+_THREAD_KEY: Final = '"thread_id": '
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +85,7 @@ def _loads(value: AnyValue | None, prefix: str) -> Any:
         return None
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting deep enough to exhaust the parser is no command either
         return None
 
 
@@ -117,9 +132,9 @@ def _interrupt_id(span: Any) -> str | None:
             continue
         kind = message = ""
         for kv in event.attributes:
-            if kv.key == "exception.type":
+            if kv.key == EXCEPTION_TYPE:
                 kind = text(kv.value) or ""
-            elif kv.key == "exception.message":
+            elif kv.key == EXCEPTION_MESSAGE:
                 message = text(kv.value) or ""
         if kind.rsplit(".", 1)[-1] == _INTERRUPT_TYPE:
             match = _INTERRUPT_ID.search(message[:_PARSE_LIMIT])
@@ -127,8 +142,10 @@ def _interrupt_id(span: Any) -> str | None:
     return None
 
 
-def _decision(resume: Any, options: ConvertOptions) -> str | None:
+def _decision(resume: Any, options: ConvertOptions, depth: int = 0) -> str | None:
     """granted / denied when the resume value reads as one (a word, a boolean, or a dict naming it)."""
+    if depth > _DECISION_DEPTH:
+        return None
     if isinstance(resume, bool):
         return "granted" if resume else "denied"
     if isinstance(resume, str):
@@ -144,10 +161,10 @@ def _decision(resume: Any, options: ConvertOptions) -> str | None:
                 return "granted" if resume[key] else "denied"
         for key in ("decision", "type", "action"):
             if key in resume:
-                return _decision(resume[key], options)
+                return _decision(resume[key], options, depth + 1)
         decisions = resume.get("decisions")
         if isinstance(decisions, list) and decisions:
-            found = {_decision(d, options) for d in decisions}
+            found = {_decision(d, options, depth + 1) for d in decisions}
             return "denied" if "denied" in found else ("granted" if found == {"granted"} else None)
     return None
 
@@ -157,8 +174,9 @@ def _langgraph_resume(found: dict[str, AnyValue], span: Any, options: ConvertOpt
     if not isinstance(command, dict) or "resume" not in command or command.get("resume") is None:
         return NOTHING
     resume = command["resume"]
-    keyed = isinstance(resume, dict) and resume and all(_INTERRUPT_ID.fullmatch(f"id='{k}'") for k in resume)
-    answers = list(resume.items()) if keyed and all(len(k) == 32 for k in resume) else [(None, resume)]
+    # Command(resume={interrupt_id: value, ...}) answers each interrupt by its id.
+    keyed = isinstance(resume, dict) and resume and all(_INTERRUPT_KEY.fullmatch(k) for k in resume)
+    answers: list[tuple[str | None, Any]] = list(resume.items()) if keyed else [(None, resume)]
     derived: list[Derived] = []
     time_ns = span.start_time_unix_nano
     for index, (interrupt, value) in enumerate(answers):
@@ -175,43 +193,81 @@ def _langgraph_resume(found: dict[str, AnyValue], span: Any, options: ConvertOpt
     return Reading(tuple(derived))
 
 
+@functools.lru_cache(maxsize=1024)
+def _node_key(name: str) -> str:
+    """``"langgraph_node": "<name>"`` as the metadata spells it (a graph has a few node names: cached)."""
+    return _NODE_KEY + json.dumps(name, ensure_ascii=False)
+
+
 def _metadata(found: dict[str, AnyValue]) -> dict[str, Any] | None:
     meta = _loads(found.get(OI_METADATA), "{")
     return meta if isinstance(meta, dict) else None
 
 
 def read(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Reading:
-    """The framework records ``span`` implies (``found``: its attributes of the keys this module reads)."""
-    if not options.framework_approvals and not options.langgraph_checkpoints:
-        return NOTHING
+    """The framework records ``span`` implies (``found``: its attributes of the keys this module reads).
+
+    Cheap tests come first: most spans that hold these keys (every LangChain span has
+    ``metadata`` and ``input.value``) imply nothing, and are let go without parsing.
+    """
     if options.framework_approvals and PYDANTIC_AI_FINAL_RESULT in found:
         operation = found.get(GENAI_OPERATION)
         if operation is not None and text(operation) == "invoke_agent":
             return _pydantic_ai_deferred(found, span, options)
     span_kind = found.get(OI_SPAN_KIND)
-    if span_kind is None or OI_METADATA not in found:
+    raw_meta = found.get(OI_METADATA)
+    if span_kind is None or raw_meta is None:
         return NOTHING
     kind = (text(span_kind) or "").upper()
-    meta = _metadata(found)
-    if meta is None:
-        return NOTHING
-    thread = _short(meta.get("thread_id"))
-    if options.framework_approvals and kind == "TOOL" and len(span.events) > 0:
+    if kind == "TOOL":
+        if not options.framework_approvals or len(span.events) == 0:
+            return NOTHING
         interrupt = _interrupt_id(span)
-        if interrupt is not None:
-            tool = found.get(OI_TOOL_NAME)
-            name = (text(tool) if tool is not None else None) or span.name
-            time_ns = span.end_time_unix_nano or span.start_time_unix_nano
-            return Reading((_wait(name, interrupt, "awaiting_approval", options, time_ns),), suppress_span=True)
+        if interrupt is None:
+            return NOTHING
+        tool = found.get(OI_TOOL_NAME)
+        name = (text(tool) if tool is not None else None) or span.name
+        time_ns = span.end_time_unix_nano or span.start_time_unix_nano
+        return Reading((_wait(name, interrupt, "awaiting_approval", options, time_ns),), suppress_span=True)
     if kind not in ("CHAIN", "AGENT"):
         return NOTHING
-    if options.framework_approvals and "langgraph_node" not in meta:
-        reading = _langgraph_resume(found, span, options, thread)
-        if reading.derived:
-            return reading
-    if options.langgraph_checkpoints and thread and meta.get("langgraph_node") == span.name and span.end_time_unix_nano:
-        namespace = _short(meta.get("langgraph_checkpoint_ns")) or span.span_id.hex()
-        if _interrupt_id(span) is None:
-            fields = {"action_id": f"checkpoint:{thread}:{namespace}", "kind": "checkpoint", "result": True}
-            return Reading((Derived(fields, span.end_time_unix_nano),))
-    return NOTHING
+    # A Command is the input of a graph run, the root span of its trace (a graph run inside
+    # another's trace is a node there); only roots pay for reading their input.
+    if options.framework_approvals and not span.parent_span_id:
+        command = found.get(OI_INPUT_VALUE)
+        if command is not None and (text(command) or "").startswith(_COMMAND_PREFIX):
+            meta = _metadata(found)
+            if meta is not None and "langgraph_node" not in meta:
+                reading = _langgraph_resume(found, span, options, _short(meta.get("thread_id")))
+                if reading.derived:
+                    return reading
+    if not span.end_time_unix_nano or span.status.code == _STATUS_CODE_ERROR:
+        # A step that failed saved nothing: LangGraph checkpoints the steps that completed.
+        return NOTHING
+    # Only the node's own span (not the runnables inside it) ends the step: its name is the node's.
+    raw = text(raw_meta) or ""
+    if _THREAD_KEY not in raw or _node_key(span.name) not in raw:
+        return NOTHING
+    meta = _metadata(found)
+    thread = _short(meta.get("thread_id")) if meta is not None else None
+    if meta is None or thread is None or meta.get("langgraph_node") != span.name:
+        return NOTHING
+    interrupt = _interrupt_id(span) if len(span.events) > 0 else None
+    if interrupt is not None:
+        # interrupt() in a node of its own (a human review step) is the wait; in a tool node
+        # the tool's span already is.
+        if not options.framework_approvals or _tool_node(found, span.name):
+            return NOTHING
+        return Reading((_wait(span.name, interrupt, "awaiting_approval", options, span.end_time_unix_nano),))
+    if not options.langgraph_checkpoints:
+        return NOTHING
+    namespace = _short(meta.get("langgraph_checkpoint_ns")) or span.span_id.hex()
+    fields = {"action_id": f"checkpoint:{thread}:{namespace}", "kind": "checkpoint", "result": True}
+    return Reading((Derived(fields, span.end_time_unix_nano),))
+
+
+def _tool_node(found: dict[str, AnyValue], name: str) -> bool:
+    """A LangGraph ToolNode task: its input is the tool call it runs (or, called with the whole
+    state, it has the prebuilt agents' name for it)."""
+    value = found.get(OI_INPUT_VALUE)
+    return name == "tools" or (value is not None and (text(value) or "").startswith(_TOOL_CALL_INPUT))

@@ -74,6 +74,15 @@ class ConvertOptions:
         problems: list[Problem] = []
         if not (self.durable or self.genai or self.openinference or self.openllmetry):
             problems.append(Problem(path, "every profile is off: no span can become an action"))
+        for name, words in (("approval_grant_words", self.approval_grant_words),
+                            ("approval_deny_words", self.approval_deny_words)):
+            for index, word in enumerate(words):
+                if not word.strip() or word != word.strip().lower():
+                    problems.append(Problem(f"{path}.{name}[{index}]", "a resume value is compared in lower case "
+                                            "without surrounding spaces: write the word that way"))
+        both = set(self.approval_grant_words) & set(self.approval_deny_words)
+        if both:
+            problems.append(Problem(f"{path}.approval_deny_words", "also a grant word: " + ", ".join(sorted(both))))
         seen: dict[str, int] = {}
         for index, rule in enumerate(self.tool_kinds):
             where = f"{path}.tool_kinds[{index}]"

@@ -66,9 +66,9 @@ _NS_PER_S: Final = 1_000_000_000
 _NAME_LIMIT: Final = 200
 # Distinct attribute orders remembered by _field_order; a bound against adversarial input.
 _ORDERS_LIMIT: Final = 1024
-# The event name's bytes not followed by "." (see _may_hold_durable_events).
 # Records a framework's span implies (convert/frameworks.py) are numbered from here, past any event index.
 _DERIVED_INDEX: Final = 1 << 24
+# The event name's bytes not followed by "." (see _may_hold_durable_events).
 _DURABLE_EVENT_NAME_ALONE: Final = re.compile(re.escape(DURABLE_EVENT_NAME.encode()) + rb"(?!\.)")
 
 
@@ -145,7 +145,11 @@ class SpanConverter:
 
     def reads_attribute(self, key: str) -> bool:
         """Whether conversion ever looks at an attribute of this key (decoders may skip the rest)."""
-        return key in self._resource_wanted or key.startswith(self._output_prefixes + self._read_prefixes)
+        return (
+            key in self._resource_wanted
+            or key.startswith(self._output_prefixes + self._read_prefixes)
+            or (self.options.framework_approvals and key in frameworks.EVENT_KEYS)
+        )
 
     def convert(self, request: Any, origin: str = "", seq_start: int = 0) -> ConvertResult:
         """``request``: an ExportTraceServiceRequest or a TracesData (both hold resource_spans)."""

@@ -79,7 +79,7 @@ COMMON_RULE_KEYS: Final = (
 TYPE_KEYS: Final[dict[RuleType, tuple[str, ...]]] = {
     "condition": ("condition",),
     "malformed": (),
-    "sequence": ("condition", "group_by", "first", "then", "keep", "within", "report_on"),
+    "sequence": ("condition", "group_by", "first", "then", "keep", "within", "report_on", "log_scope"),
     "absence": ("condition", "group_by", "first", "then", "within", "deadline", "within_actions"),
     "change": ("condition", "group_by", "field"),
     "count": ("condition", "group_by", "threshold", "window"),
@@ -851,6 +851,16 @@ class _RuleBuilder:
             ctx.integer(n, "threshold", minimum=1, maximum=1_000_000) if (n := value("threshold")) is not None else 0
         )
         message = self.message(ctx, n, message_env) if (n := value("message")) is not None else None
+        log_scope = "session"
+        if (n := value("log_scope")) is not None:
+            log_scope = ctx.choice(n, "log_scope", ("session", "file")) or "session"
+            by_action_id = len(group_by) == 1 and group_by[0].path == ("record", "action_id")
+            if log_scope == "file" and not (by_action_id and keep == "first" and report_on == "then" and within_s is None):
+                # A malformed line carries its action id and nothing else a rule could read.
+                ctx.error(
+                    n,
+                    "log_scope: file needs group_by: [record.action_id], keep: first, report_on: then and no within",
+                )
 
         if self.problems.count() != problems_before:
             return None
@@ -884,6 +894,7 @@ class _RuleBuilder:
             threshold=threshold or 0,
             window_s=window_s,
             first_fields=frozenset(first_fields),
+            log_scope=cast(Literal["session", "file"], log_scope),
         )
         return _Located(rule, ctx.src, entries["id"][1])
 

@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         from processor.evaluate.rulefmt import load_rules
 
-        load_rules(config.evaluate.rules, include_shipped=config.evaluate.include_shipped_rules)
+        load_rules(
+            config.evaluate.rules, include_shipped=config.evaluate.include_shipped_rules, packs=config.evaluate.packs
+        )
         sys.stdout.write(f"configuration {args.config or '(default)'} is valid\n")
         return 0
     logging.basicConfig(

@@ -84,7 +84,9 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
     from processor.evaluate.engine import Engine, EngineOptions
     from processor.evaluate.rulefmt import load_rules
 
-    ruleset = load_rules(config.evaluate.rules, include_shipped=config.evaluate.include_shipped_rules)
+    ruleset = load_rules(
+        config.evaluate.rules, include_shipped=config.evaluate.include_shipped_rules, packs=config.evaluate.packs
+    )
     options = EngineOptions(
         strict=config.evaluate.strict,
         allowed_lateness_s=float(config.evaluate.allowed_lateness),

@@ -190,6 +190,7 @@ class _Plan:
         "condition_fn",
         "deadline",
         "field",
+        "file_scope",
         "first",
         "first_fn",
         "first_names",
@@ -197,7 +198,6 @@ class _Plan:
         "group_fn",
         "id",
         "index",
-        "file_scope",
         "keep_latest",
         "kind",
         "name",
@@ -972,7 +972,9 @@ class Engine:
                     self._rule_error(plan, "condition")
                     continue
             if plan.file_scope and action.source == "log":
-                self._file_sequence(plan, action, session, out, first_possible, then_possible)
+                self._file_sequence(
+                    plan, action, session, out, first_possible=first_possible, then_possible=then_possible
+                )
                 continue
             if skip_when_empty:
                 rules = session.rules
@@ -1256,6 +1258,7 @@ class Engine:
         action: Action,
         session: SessionState,
         out: list[Violation],
+        *,
         first_possible: bool,
         then_possible: bool,
     ) -> None:

@@ -136,6 +136,21 @@ def shipped_rule_files() -> list[Path]:
     return sorted(p for p in directory.glob("*.yaml") if not p.name.endswith(".test.yaml"))
 
 
+def shipped_packs() -> dict[str, Path]:
+    """The shipped packs by name (the file name without ``.yaml``: ``durable-sessions``), in load order."""
+    return {path.stem: path for path in shipped_rule_files()}
+
+
+def unknown_packs(names: Sequence[str]) -> list[Problem]:
+    """A problem for each name that is not a shipped pack, listing the ones that are."""
+    known = shipped_packs()
+    return [
+        Problem("", f"no rule pack named {name!r}{_suggest(name, list(known))}; shipped packs: {', '.join(known)}")
+        for name in names
+        if name not in known
+    ]
+
+
 def parse_duration(text: str, *, allow_zero: bool = False) -> float:
     """Seconds in a duration such as ``90s``, ``5m``, ``2h``, ``7d``, ``1w`` or ``1h30m``.
 
@@ -855,7 +870,9 @@ class _RuleBuilder:
         if (n := value("log_scope")) is not None:
             log_scope = ctx.choice(n, "log_scope", ("session", "file")) or "session"
             by_action_id = len(group_by) == 1 and group_by[0].path == ("record", "action_id")
-            if log_scope == "file" and not (by_action_id and keep == "first" and report_on == "then" and within_s is None):
+            if log_scope == "file" and not (
+                by_action_id and keep == "first" and report_on == "then" and within_s is None
+            ):
                 # A malformed line carries its action id and nothing else a rule could read.
                 ctx.error(
                     n,
@@ -999,7 +1016,20 @@ def _collect(paths: Sequence[str | Path], include_shipped: bool) -> list[tuple[P
     return chosen
 
 
-def _load(paths: Sequence[str | Path], include_shipped: bool, strict_only_ok: bool, problems: _Problems) -> RuleSet:
+def _load(
+    paths: Sequence[str | Path],
+    include_shipped: bool,
+    strict_only_ok: bool,
+    problems: _Problems,
+    packs: Sequence[str] = (),
+) -> RuleSet:
+    for problem in unknown_packs(packs):
+        problems.add(problem.where, problem.message)
+    # Packs not chosen are still read for their lists (session-checks uses durable-sessions'),
+    # but their rules are left out, so overrides cannot name them either.
+    left_out = (
+        {f"rules/{name}.yaml" for name in shipped_packs() if name not in packs} if packs and include_shipped else set()
+    )
     parsed_files: list[_ParsedFile] = []
     for path, display, shipped in _collect(paths, include_shipped):
         problems.file_order.setdefault(display, len(problems.file_order))
@@ -1044,8 +1074,10 @@ def _load(paths: Sequence[str | Path], include_shipped: bool, strict_only_ok: bo
                     ctx.error(id_node, f"duplicate id {id_node.value}: already used at {earlier}")
                     duplicate = True
             located = builder.build(ctx, node)
-            if located is not None and not duplicate:
+            if located is not None and not duplicate and located.rule.pos.file not in left_out:
                 ruleset.rules.append(located.rule)
+    if left_out:
+        ruleset.files = [name for name in ruleset.files if name not in left_out]
 
     overridden: dict[str, _Override] = {}
     rules_by_id = ruleset.by_id()
@@ -1096,8 +1128,16 @@ def _override_label(node: Node) -> str:
     return "override"
 
 
-def load_rules(paths: Sequence[str | Path], include_shipped: bool = True, strict_only_ok: bool = True) -> RuleSet:
+def load_rules(
+    paths: Sequence[str | Path],
+    include_shipped: bool = True,
+    strict_only_ok: bool = True,
+    packs: Sequence[str] = (),
+) -> RuleSet:
     """Load the shipped packs (unless ``include_shipped`` is false) and ``paths``, then apply overrides.
+
+    ``packs``, when given, names the shipped packs whose rules run (``durable-sessions``
+    alone gives the skill's checks); the others are read only for their lists.
 
     ``paths`` may name directories (their ``*.yaml`` rule files, tests excluded). A path
     that is itself a shipped pack is loaded once. With ``strict_only_ok`` false, rules
@@ -1105,7 +1145,7 @@ def load_rules(paths: Sequence[str | Path], include_shipped: bool = True, strict
     strict). Raises :class:`RuleFormatError` listing every problem in every file.
     """
     problems = _Problems()
-    ruleset = _load(paths, include_shipped, strict_only_ok, problems)
+    ruleset = _load(paths, include_shipped, strict_only_ok, problems, packs)
     found = problems.final()
     if found:
         count = len(found)
@@ -1113,10 +1153,10 @@ def load_rules(paths: Sequence[str | Path], include_shipped: bool = True, strict
     return ruleset
 
 
-def lint(paths: Sequence[str | Path], include_shipped: bool = True) -> list[Problem]:
+def lint(paths: Sequence[str | Path], include_shipped: bool = True, packs: Sequence[str] = ()) -> list[Problem]:
     """Every problem in ``paths`` (checked together with the shipped packs, which overrides may name)."""
     problems = _Problems()
-    _load(paths, include_shipped, True, problems)
+    _load(paths, include_shipped, True, problems, packs)
     return problems.final()
 
 

@@ -64,7 +64,8 @@ exporters can clear the alert, and the session counts a wait resolved late.
 **Routes.** Most rules cannot fire on most records, and their CEL *guards* (see
 :class:`processor.evaluate.cel.Guard`) say so from a few fields: the record's kind,
 status, a key's presence. Which rules to run on a record is computed once per record
-*shape* (the source, the values of guarded fields, the keys present) and cached: a
+*shape* (the source, the classes of guarded fields' values, the presence of the keys
+guards and group keys test; not the record's other keys) and cached: a
 condition whose guard refutes the record is not evaluated, a stateful rule whose
 ``first`` cannot match skips sessions that hold no state for it. A refuted expression
 evaluates to false, never to an error, so routes change no verdict and no error count.
@@ -513,6 +514,7 @@ class Engine:
         # values of a few fields, the keys present and the source. Records of one shape share
         # a route, computed once (see _route).
         literals: dict[str, set[str]] = {}
+        present: set[str] = set()
         for plan in [*self._condition_plans, *self._stateful_plans]:
             for expression in (plan.condition, plan.first, plan.then):
                 guard = None if expression is None else expression.guard
@@ -520,7 +522,13 @@ class Engine:
                     for (variable, name), strings in guard.values.items():
                         if variable == "record":
                             literals.setdefault(name, set()).update(strings)
+                    present.update(name for variable, name in guard.presence if variable == "record")
+            # A route skips a group key only when the key's field is present (see _route).
+            present.update(e.path[1] for e in plan.group_by if e.path is not None and e.path[0] == "record")
         self._guarded_fields = tuple(sorted(literals))
+        # The only keys whose presence a route depends on: a record's other keys (a payload, a
+        # model name) and their order do not make a shape of their own.
+        self._presence_fields = tuple(sorted(present))
         # A guarded field's value enters a record's shape as its class: one of the literals it is
         # compared with, or else its type (any other string is ``str``). An id or a key compared
         # with a literal must not make every record a shape of its own.
@@ -1044,7 +1052,11 @@ class Engine:
             return route
         values = list(map(record.get, self._guarded_fields))
         try:
-            shape = (source, *map(_class_of, self._value_classes, values, map(type, values)), *record)
+            shape = (
+                source,
+                *map(_class_of, self._value_classes, values, map(type, values)),
+                *map(record.__contains__, self._presence_fields),
+            )
             return self._routes[shape]
         except KeyError:
             return self._new_route(shape, record)

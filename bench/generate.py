@@ -512,8 +512,12 @@ SKILL_FLAWS: Final = (
 )
 
 
-def skill_record(rng: random.Random, line: int, sessions: int, flaw: str | None) -> bytes:
-    """One line of the skill's format: a clean record of a random kind, or one carrying ``flaw``."""
+def skill_record(rng: random.Random, line: int, sessions: int, flaw: str | None, varied: bool = False) -> bytes:
+    """One line of the skill's format: a clean record of a random kind, or one carrying ``flaw``.
+
+    ``varied``: the record also carries one to three payload fields of its own (names drawn
+    from 5,000) in a shuffled key order, as logs of many tools do: thousands of shapes.
+    """
     session = f"s-{rng.randrange(sessions):05d}"
     kind = rng.choice(("user_prompt", "llm_call", "external_read", "payment", "tool_call", "email", "checkpoint"))
     record: dict[str, Any] = {"session_id": session, "action_id": f"a{line:08d}", "kind": kind, "status": "ok",
@@ -552,10 +556,17 @@ def skill_record(rng: random.Random, line: int, sessions: int, flaw: str | None)
         del record["session_id"]
     elif flaw == "not_json":
         return b'{"session_id": "' + session.encode() + b'", "action_id": \n'
+    if varied:
+        for _ in range(rng.randint(1, 3)):
+            record[f"x_{rng.randrange(5000)}"] = line % 13
+        keys = list(record)
+        rng.shuffle(keys)
+        record = {key: record[key] for key in keys}
     return orjson.dumps(record) + b"\n"
 
 
-def write_skill_log(path: Path, records: int, sessions: int, flaw_share: float, seed: int = 11) -> DumpStats:
+def write_skill_log(path: Path, records: int, sessions: int, flaw_share: float, *, seed: int = 11,
+                    varied: bool = False) -> DumpStats:
     """``records`` lines of the skill's format; ``flaw_share`` of them carry one random flaw."""
     rng = random.Random(seed)
     stats = DumpStats(sessions=sessions)
@@ -564,7 +575,7 @@ def write_skill_log(path: Path, records: int, sessions: int, flaw_share: float, 
         lines = []
         for line in range(records):
             flaw = rng.choice(SKILL_FLAWS) if rng.random() < flaw_share else None
-            lines.append(skill_record(rng, line, sessions, flaw))
+            lines.append(skill_record(rng, line, sessions, flaw, varied))
             stats.flawed_actions += flaw is not None
             if len(lines) >= 4096:
                 out.write(b"".join(lines))

@@ -56,7 +56,7 @@ SECTIONS: Final = ("replay_otlp", "replay_actions", "replay_skill", "replay_rss"
 ROW_KEYS: Final = (
     "replay_otlp.rate", "replay_otlp.rss", "replay_actions.rate", "replay_actions.rss",
     "replay_skill.clean.pack", "replay_skill.clean.all", "replay_skill.flaws.pack", "replay_skill.flaws.all",
-    "replay_skill.violation",
+    "replay_skill.violation", "replay_skill.shapes",
     "replay_rss.small", "replay_rss.large", "live.sustained", "live.sustained.other",
     "live.p50.default", "live.p99.default",
     "live.p50.zero", "live.p99.zero", "memory.smaller", "memory.larger",
@@ -97,6 +97,8 @@ TARGET_SKILL_ALL_RATIO: Final = 1.0
 TARGET_VIOLATION_US: Final = 2.0
 # Shares of flawed lines: ~4% of lines flag (the Story's rate), and ~0.85 violations per line.
 SKILL_LOGS: Final = (("clean", 0.04), ("flaws", 0.68))
+# The clean log's cost per line may grow this much when its records take thousands of shapes.
+TARGET_SHAPES_GROWTH: Final = 1.1
 TARGET_LIVE_SPANS_S: Final = 25_000
 TARGET_P99_MS: Final = 250.0
 TARGET_SESSION_BYTES: Final = 2048
@@ -348,12 +350,13 @@ def section_replay_actions(size: Size, runs: int, log: Callable[[str], None], de
     ]
 
 
-def skill_log(lines: int, name: str, flaw_share: float, log: Callable[[str], None]) -> tuple[Path, dict[str, int]]:
+def skill_log(lines: int, name: str, flaw_share: float, log: Callable[[str], None],
+              varied: bool = False) -> tuple[Path, dict[str, int]]:
     path = data_dir() / f"skill-{name}-{lines}-v{generate.GENERATOR_VERSION}.jsonl"
     meta = path.with_name(path.name + ".stats.json")
     if not (path.exists() and meta.exists()):
         log(f"generating {lines:,} lines of the skill's shape ({name}) into {path.relative_to(ROOT)} ...")
-        stats = generate.write_skill_log(path, lines, max(1, lines // 100), flaw_share)
+        stats = generate.write_skill_log(path, lines, max(1, lines // 100), flaw_share, varied=varied)
         meta.write_bytes(orjson.dumps(stats.as_dict()))
     result: dict[str, int] = orjson.loads(meta.read_bytes())
     return path, result
@@ -390,6 +393,19 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
                     per_violation, "us", "CPU difference of the two logs / extra violations", None,
                     f"<= {TARGET_VIOLATION_US} us",
                     None if per_violation is None else per_violation <= TARGET_VIOLATION_US))
+    # The clean log again, its records in thousands of shapes (payload keys, key order): the
+    # growth of replay's cost per line beside the growth of the loop's (which parses more bytes).
+    path, stats = skill_log(size.skill_lines, "varied", SKILL_LOGS[0][1], log, varied=True)
+    varied = replay_vs_limit(path, "actions", "skill", items=stats["actions"], expected_actions=-1, runs=runs,
+                             extra=("--pack", "durable-sessions"))
+    results["varied.pack"] = varied
+    growth = _median(varied["replay_cpu_s"]) / _median(clean["replay_cpu_s"])
+    limit_growth = _median(varied["limit_cpu_s"]) / _median(clean["limit_cpu_s"])
+    log(f"replay_skill: thousands of record shapes: replay x{growth:.2f}, the loop x{limit_growth:.2f}")
+    rows.append(Row("replay_skill.shapes", "replay CPU, clean log in thousands of record shapes / in a few (pack)",
+                    growth, "x", f"x{limit_growth:.2f} for the loop (more bytes to parse)", None,
+                    f"<= {TARGET_SHAPES_GROWTH} x the loop's growth",
+                    growth <= TARGET_SHAPES_GROWTH * limit_growth))
     details["replay_skill"] = results
     return rows
 

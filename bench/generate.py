@@ -495,6 +495,98 @@ def write_action_log(path: Path, records: int, sessions: int, seed: int = 7) -> 
     return stats
 
 
+# -- the skill's own shape ------------------------------------------------------------------
+
+# What one flaw does to a clean record of the skill's shape (and the rules it trips).
+SKILL_FLAWS: Final = (
+    "no_result",  # DS001
+    "unkeyed",  # DS002
+    "unbounded",  # DS003
+    "over_cap",  # DS004
+    "cached_answer",  # DS005 (+ DS006, DS007)
+    "cache_no_key",  # DS006 (+ DS007)
+    "cache_no_ttl",  # DS007
+    "repeat_id",  # DS009
+    "no_session",  # DS000
+    "not_json",  # DS000
+)
+
+
+def skill_record(rng: random.Random, line: int, sessions: int, flaw: str | None, varied: bool = False) -> bytes:
+    """One line of the skill's format: a clean record of a random kind, or one carrying ``flaw``.
+
+    ``varied``: the record also carries one to three payload fields of its own (names drawn
+    from 5,000) in a shuffled key order, as logs of many tools do: thousands of shapes.
+    """
+    session = f"s-{rng.randrange(sessions):05d}"
+    kind = rng.choice(("user_prompt", "llm_call", "external_read", "payment", "tool_call", "email", "checkpoint"))
+    record: dict[str, Any] = {"session_id": session, "action_id": f"a{line:08d}", "kind": kind, "status": "ok",
+                              "time": "2026-11-01T09:14:00Z"}
+    if kind in ("user_prompt", "llm_call", "external_read", "tool_call", "checkpoint"):
+        record["result"] = {"n": line % 97}
+    if kind in ("payment", "email"):
+        record["idempotency_key"] = f"{session}-a{line}"
+        record["result"] = {"id": line}
+    if kind in ("tool_call", "payment") and rng.random() < 0.5:
+        record.update(retryable=True, max_attempts=3, attempts=rng.randint(1, 3))
+    if kind == "external_read":
+        record.update(cacheable=True, cache_key=f"q-{line % 1000}", ttl_s=3600)
+    if flaw == "no_result":
+        record["kind"] = "llm_call"
+        record.pop("result", None)
+    elif flaw == "unkeyed":
+        record.update(kind="payment", result={"id": line})
+        record.pop("idempotency_key", None)
+    elif flaw == "unbounded":
+        record.update(retryable=True, attempts=7)
+        record.pop("max_attempts", None)
+    elif flaw == "over_cap":
+        record.update(retryable=True, max_attempts=3, attempts=5)
+    elif flaw == "cached_answer":
+        record.update(kind="user_prompt", result="aisle", cacheable=True)
+    elif flaw == "cache_no_key":
+        record.update(kind="external_read", cacheable=True, ttl_s=0, result={"q": 1})
+        record.pop("cache_key", None)
+    elif flaw == "cache_no_ttl":
+        record.update(kind="external_read", cacheable=True, cache_key="k", result={"q": 1})
+        record.pop("ttl_s", None)
+    elif flaw == "repeat_id":
+        record["action_id"] = f"a{max(0, line - 1 - rng.randrange(50)):08d}"
+    elif flaw == "no_session":
+        del record["session_id"]
+    elif flaw == "not_json":
+        return b'{"session_id": "' + session.encode() + b'", "action_id": \n'
+    if varied:
+        for _ in range(rng.randint(1, 3)):
+            record[f"x_{rng.randrange(5000)}"] = line % 13
+        keys = list(record)
+        rng.shuffle(keys)
+        record = {key: record[key] for key in keys}
+    return orjson.dumps(record) + b"\n"
+
+
+def write_skill_log(path: Path, records: int, sessions: int, flaw_share: float, *, seed: int = 11,
+                    varied: bool = False) -> DumpStats:
+    """``records`` lines of the skill's format; ``flaw_share`` of them carry one random flaw."""
+    rng = random.Random(seed)
+    stats = DumpStats(sessions=sessions)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    with tmp.open("wb") as out:
+        lines = []
+        for line in range(records):
+            flaw = rng.choice(SKILL_FLAWS) if rng.random() < flaw_share else None
+            lines.append(skill_record(rng, line, sessions, flaw, varied))
+            stats.flawed_actions += flaw is not None
+            if len(lines) >= 4096:
+                out.write(b"".join(lines))
+                lines.clear()
+        out.write(b"".join(lines))
+    stats.actions = stats.spans = records
+    stats.bytes = tmp.stat().st_size
+    tmp.replace(path)
+    return stats
+
+
 # -- rule files --------------------------------------------------------------------------
 
 _CONDITION_SHAPES: Final = (

@@ -9,6 +9,10 @@ kind, status, the ``durable.*`` keys). No records, no rules, no output.
 ``actions``: the skill's reference checker's approach to an action log: read lines,
 ``json.loads`` each, look up the four required fields.
 
+``skill``: the work the skill's own checker does: ``json.loads`` each line and apply its
+ten checks (DS000-DS009) inline, counting what they find. ``replay --pack
+durable-sessions`` is judged against this loop.
+
 Each prints one JSON line, ``{"items": N}``, so the harness can check it saw the whole
 input. Run as ``python -m bench.limits {otlp|actions} FILE``.
 """
@@ -79,11 +83,76 @@ def actions_limit(path: str) -> int:
     return records
 
 
+_REQUIRED: Final = ("session_id", "action_id", "kind", "status")
+_NONDETERMINISTIC: Final = frozenset({"user_prompt", "llm_call", "external_read", "random", "clock"})
+_SIDE_EFFECTING: Final = frozenset({"write", "payment", "email", "notify", "deploy"})
+
+
+def skill_limit(path: str, strict: bool = False) -> tuple[int, int]:
+    """(lines checked, violations): the skill's ten checks, inline, as its checker runs them."""
+    records = violations = 0
+    seen: set[str] = set()
+    loads = json.loads
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            text = line.strip()
+            if not text or text[0] == "#":
+                continue
+            records += 1
+            try:
+                record = loads(text)
+            except ValueError:
+                violations += 1  # DS000
+                continue
+            if not isinstance(record, dict):
+                violations += 1
+                continue
+            action_id = record.get("action_id")
+            if not all(record.get(name) for name in _REQUIRED):
+                violations += 1  # DS000; the id still counts
+                if action_id:
+                    seen.add(action_id)
+                continue
+            if action_id in seen:
+                violations += 1  # DS009
+            seen.add(action_id)
+            kind = record["kind"]
+            ok = record["status"] == "ok"
+            if kind in _NONDETERMINISTIC and ok and "result" not in record and not record.get("result_ref"):
+                violations += 1
+            side_effect = kind in _SIDE_EFFECTING or record.get("side_effects") is True
+            if side_effect and ok and not record.get("idempotency_key") and record.get("replay") != "skip":
+                violations += 1
+            retryable = record.get("retryable") is True
+            cap = record.get("max_attempts")
+            capped = isinstance(cap, int) and cap >= 1
+            if retryable and not capped:
+                violations += 1
+            attempts = record.get("attempts")
+            if retryable and capped and isinstance(attempts, int) and attempts > cap:
+                violations += 1
+            if record.get("cacheable") is True:
+                if kind == "user_prompt":
+                    violations += 1
+                if not record.get("cache_key"):
+                    violations += 1
+                ttl = record.get("ttl_s")
+                if not (isinstance(ttl, int) and ttl > 0):
+                    violations += 1
+            if strict and record["status"] == "error" and not retryable and not record.get("on_failure"):
+                violations += 1
+    return records, violations
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("otlp", "actions"):
-        sys.stderr.write("usage: python -m bench.limits {otlp|actions} FILE\n")
+    if len(args) != 2 or args[0] not in ("otlp", "actions", "skill"):
+        sys.stderr.write("usage: python -m bench.limits {otlp|actions|skill} FILE\n")
         return 2
+    if args[0] == "skill":
+        count, found = skill_limit(args[1])
+        sys.stdout.write(json.dumps({"items": count, "violations": found}) + "\n")
+        return 0
     count = otlp_limit(args[1]) if args[0] == "otlp" else actions_limit(args[1])
     sys.stdout.write(json.dumps({"items": count}) + "\n")
     return 0

@@ -8,6 +8,12 @@ Sections (rows of the table):
   over a generated Collector proto dump, beside ``bench.limits otlp`` (parse the same
   requests, read the attributes conversion needs, nothing else).
 - ``replay_actions``: replay of an action log, beside a plain ``json.loads`` loop.
+- ``replay_skill``: replay of logs of the skill's own shape, one with few flaws (4% of
+  lines) and one flaw-heavy (about 0.85 violations per line), with the skill's pack
+  alone (``--pack durable-sessions``) and with every shipped pack, beside
+  ``bench.limits skill`` (``json.loads`` each line and apply the skill's ten checks
+  inline: the work the skill's checker does); and the cost of one violation, from
+  detection to its written report line.
 - ``replay_rss``: peak RSS of replay at two input lengths (a tenth, and all, of the
   dump), the same sessions in both.
 - ``live``: ``durable-check serve`` with its default state backend; offered load is
@@ -45,10 +51,12 @@ from bench import generate, live
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 OUT: Final = ROOT / "bench" / "out"
-SECTIONS: Final = ("replay_otlp", "replay_actions", "replay_rss", "live", "memory", "rules")
+SECTIONS: Final = ("replay_otlp", "replay_actions", "replay_skill", "replay_rss", "live", "memory", "rules")
 # Every row the table has, whatever the size (tests/test_bench_smoke.py checks them).
 ROW_KEYS: Final = (
     "replay_otlp.rate", "replay_otlp.rss", "replay_actions.rate", "replay_actions.rss",
+    "replay_skill.clean.pack", "replay_skill.clean.all", "replay_skill.flaws.pack", "replay_skill.flaws.all",
+    "replay_skill.violation", "replay_skill.shapes",
     "replay_rss.small", "replay_rss.large", "live.sustained", "live.sustained.other",
     "live.p50.default", "live.p99.default",
     "live.p50.zero", "live.p99.zero", "memory.smaller", "memory.larger",
@@ -65,14 +73,15 @@ class Size:
     live_step_s: float
     memory_sessions: tuple[int, ...]
     rule_records: int
+    skill_lines: int = 200_000
 
 
 SIZES: Final = {
     "tiny": Size(spans=10_240, sessions=100, actions=10_000, live_rates=(2_000,), live_step_s=1.0,
-                 memory_sessions=(1_000, 5_000), rule_records=2_000),
+                 memory_sessions=(1_000, 5_000), rule_records=2_000, skill_lines=5_000),
     "small": Size(spans=102_400, sessions=1_000, actions=100_000,
                   live_rates=(5_000, 10_000, 15_000, 20_000, 25_000, 30_000, 40_000), live_step_s=5.0,
-                  memory_sessions=(10_000, 100_000), rule_records=20_000),
+                  memory_sessions=(10_000, 100_000), rule_records=20_000, skill_lines=50_000),
     "full": Size(spans=1_000_000, sessions=10_000, actions=1_000_000,
                  live_rates=(5_000, 10_000, 15_000, 20_000, 25_000, 30_000, 35_000, 40_000, 50_000, 60_000),
                  live_step_s=20.0, memory_sessions=(10_000, 100_000), rule_records=50_000),
@@ -82,6 +91,14 @@ RULE_COUNTS: Final = (10, 50, 200)
 # Targets, stated once: (comparison, threshold).
 TARGET_OTLP_RATIO: Final = 0.6
 TARGET_ACTIONS_RATIO: Final = 2.0
+# replay --pack durable-sessions beside the skill's checks inline; all shipped packs; one violation.
+TARGET_SKILL_PACK_RATIO: Final = 2.0
+TARGET_SKILL_ALL_RATIO: Final = 1.0
+TARGET_VIOLATION_US: Final = 2.0
+# Shares of flawed lines: ~4% of lines flag (the Story's rate), and ~0.85 violations per line.
+SKILL_LOGS: Final = (("clean", 0.04), ("flaws", 0.68))
+# The clean log's cost per line may grow this much when its records take thousands of shapes.
+TARGET_SHAPES_GROWTH: Final = 1.1
 TARGET_LIVE_SPANS_S: Final = 25_000
 TARGET_P99_MS: Final = 250.0
 TARGET_SESSION_BYTES: Final = 2048
@@ -254,22 +271,26 @@ def _median(values: Sequence[float]) -> float:
 
 
 def replay_vs_limit(path: Path, input_format: str, limit: str, *, items: int, expected_actions: int,
-                    runs: int) -> dict[str, Any]:
-    """Replay and its limit loop, alternated so that background load hits both alike."""
+                    runs: int, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """Replay and its limit loop, alternated so that background load hits both alike.
+
+    ``extra``: replay options (``--pack durable-sessions``).
+    """
     replay_runs: list[Measured] = []
     limit_runs: list[Measured] = []
+    command = [*replay_command(path, input_format), *extra]
     # Unmeasured warm-up: bytecode cache and page cache as a second run finds them.
     run_measured(python("-m", "bench.limits", limit, str(path)))
-    run_measured(replay_command(path, input_format))
+    run_measured(command)
     for _ in range(runs):
         limit_run = run_measured(python("-m", "bench.limits", limit, str(path)))
         seen = orjson.loads(limit_run.stdout)["items"]
         if seen != items:
             raise RuntimeError(f"limit loop saw {seen} items, expected {items}")
         limit_runs.append(limit_run)
-        replay_run = run_measured(replay_command(path, input_format))
+        replay_run = run_measured(command)
         report = orjson.loads(replay_run.stdout)
-        if report["actions"] != expected_actions:
+        if expected_actions >= 0 and report["actions"] != expected_actions:
             raise RuntimeError(f"replay read {report['actions']} actions, expected {expected_actions}")
         replay_runs.append(replay_run)
     # Rates per CPU-second of the process (user + system; both are single-threaded): other
@@ -327,6 +348,66 @@ def section_replay_actions(size: Size, runs: int, log: Callable[[str], None], de
         Row("replay_actions.rss", "replay action log: peak RSS", result["replay_peak_rss_mib"], "MiB",
             f"{result['limit_peak_rss_mib']:,.1f} MiB (json.loads loop)"),
     ]
+
+
+def skill_log(lines: int, name: str, flaw_share: float, log: Callable[[str], None],
+              varied: bool = False) -> tuple[Path, dict[str, int]]:
+    path = data_dir() / f"skill-{name}-{lines}-v{generate.GENERATOR_VERSION}.jsonl"
+    meta = path.with_name(path.name + ".stats.json")
+    if not (path.exists() and meta.exists()):
+        log(f"generating {lines:,} lines of the skill's shape ({name}) into {path.relative_to(ROOT)} ...")
+        stats = generate.write_skill_log(path, lines, max(1, lines // 100), flaw_share, varied=varied)
+        meta.write_bytes(orjson.dumps(stats.as_dict()))
+    result: dict[str, int] = orjson.loads(meta.read_bytes())
+    return path, result
+
+
+def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    results: dict[str, Any] = {}
+    for name, share in SKILL_LOGS:
+        path, stats = skill_log(size.skill_lines, name, share, log)
+        lines = stats["actions"]
+        for packs, extra, target in (("pack", ("--pack", "durable-sessions"), TARGET_SKILL_PACK_RATIO),
+                                     ("all", (), TARGET_SKILL_ALL_RATIO)):
+            # Replay counts malformed lines apart from actions; the limit loop counts every line.
+            result = replay_vs_limit(path, "actions", "skill", items=lines, expected_actions=-1, runs=runs,
+                                     extra=extra)
+            results[f"{name}.{packs}"] = result
+            ratio = result["ratio"]
+            label = "skill's pack alone" if packs == "pack" else "all shipped packs"
+            log(f"replay_skill: {name}, {label}: {ratio:.2f}x the inline checks")
+            rows.append(Row(f"replay_skill.{name}.{packs}",
+                            f"replay skill-shaped log, {name} ({lines:,} lines, {result['violations']:,} violations), "
+                            f"{label}", result["replay_rate"], "lines/CPU-s",
+                            f"{result['limit_rate']:,.0f} lines/CPU-s (json.loads + ten checks inline)", ratio,
+                            f">= {target}x loop", ratio >= target))
+    clean, flaws = results["clean.pack"], results["flaws.pack"]
+    extra_violations = flaws["violations"] - clean["violations"]
+    per_violation = None
+    if extra_violations > 0:
+        # Both logs have the same length and record mix; the difference in CPU is what violations cost.
+        cpu = _median(flaws["replay_cpu_s"]) - _median(clean["replay_cpu_s"])
+        per_violation = max(0.0, cpu) / extra_violations * 1e6
+    rows.append(Row("replay_skill.violation", "cost of one violation, detection to report line (skill's pack)",
+                    per_violation, "us", "CPU difference of the two logs / extra violations", None,
+                    f"<= {TARGET_VIOLATION_US} us",
+                    None if per_violation is None else per_violation <= TARGET_VIOLATION_US))
+    # The clean log again, its records in thousands of shapes (payload keys, key order): the
+    # growth of replay's cost per line beside the growth of the loop's (which parses more bytes).
+    path, stats = skill_log(size.skill_lines, "varied", SKILL_LOGS[0][1], log, varied=True)
+    varied = replay_vs_limit(path, "actions", "skill", items=stats["actions"], expected_actions=-1, runs=runs,
+                             extra=("--pack", "durable-sessions"))
+    results["varied.pack"] = varied
+    growth = _median(varied["replay_cpu_s"]) / _median(clean["replay_cpu_s"])
+    limit_growth = _median(varied["limit_cpu_s"]) / _median(clean["limit_cpu_s"])
+    log(f"replay_skill: thousands of record shapes: replay x{growth:.2f}, the loop x{limit_growth:.2f}")
+    rows.append(Row("replay_skill.shapes", "replay CPU, clean log in thousands of record shapes / in a few (pack)",
+                    growth, "x", f"x{limit_growth:.2f} for the loop (more bytes to parse)", None,
+                    f"<= {TARGET_SHAPES_GROWTH} x the loop's growth",
+                    growth <= TARGET_SHAPES_GROWTH * limit_growth))
+    details["replay_skill"] = results
+    return rows
 
 
 def section_replay_rss(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
@@ -458,6 +539,7 @@ def section_rules(size: Size, runs: int, log: Callable[[str], None], details: di
 SECTION_FUNCTIONS: Final = {
     "replay_otlp": section_replay_otlp,
     "replay_actions": section_replay_actions,
+    "replay_skill": section_replay_skill,
     "replay_rss": section_replay_rss,
     "live": section_live,
     "memory": section_memory,

@@ -48,6 +48,13 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--no-shipped-rules", action="store_true", help="run only the rules given with --rules")
     parser.add_argument(
+        "--pack",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this shipped pack's rules (repeatable; `rules list` names them), e.g. durable-sessions",
+    )
+    parser.add_argument(
         "--input-format", choices=INPUT_FORMATS, default=None, help="override format detection for every input"
     )
     parser.add_argument(
@@ -87,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     strict = args.strict
     rule_paths: list[str] = []
     include_shipped = not args.no_shipped_rules
+    packs: list[str] = []
     lateness = 5.0
     options = EngineOptions(mode="replay")
     limits = None
@@ -96,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         strict = strict or ev.strict
         rule_paths.extend(ev.rules)
         include_shipped = include_shipped and ev.include_shipped_rules
+        packs = list(ev.packs)
         lateness = float(ev.allowed_lateness)
     if args.allowed_lateness:
         try:
@@ -104,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"durable-check: --allowed-lateness: {exc}\n")
             return 2
     rule_paths.extend(args.rules)
-    ruleset = load_rules(rule_paths, include_shipped=include_shipped, limits=limits)
+    if args.pack:
+        packs = list(dict.fromkeys(args.pack))  # the command line's choice replaces the configuration's
+    ruleset = load_rules(rule_paths, include_shipped=include_shipped, packs=packs, limits=limits)
     options = EngineOptions(strict=strict, allowed_lateness_s=lateness, mode="replay")
     pipeline = Pipeline(Engine(ruleset, options))
     if args.format in ("html", "junit"):

@@ -55,6 +55,9 @@ def register(subparsers: Any) -> None:
     )
     listing.add_argument("paths", nargs="*", metavar="PATH", help="user rule files to load besides the shipped packs")
     listing.add_argument("--strict", action="store_true", help="mark strict-only rules as running")
+    listing.add_argument(
+        "--pack", action="append", default=[], metavar="NAME", help="list only this shipped pack's rules (repeatable)"
+    )
     listing.set_defaults(func=run_list)
 
 
@@ -144,14 +147,17 @@ def run_test(args: argparse.Namespace) -> int:
 
 def run_list(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
-    from processor.evaluate.rulefmt import load_rules, rule_files_in
+    from processor.evaluate.rulefmt import load_rules, rule_files_in, shipped_packs
 
     files = rule_files_in(args.paths)
     if _unreadable(files, err):
         return EXIT_UNREADABLE
-    ruleset = load_rules(files)
+    ruleset = load_rules(files, packs=list(dict.fromkeys(args.pack)))
     active = {rule.id for rule in ruleset.active(strict=args.strict)}
-    out.write(f"{'ID':<10} {'NAME':<32} {'TYPE':<10} {'SEVERITY':<9} RUNS\n")
+    # The pack a rule comes from: a shipped pack's name (what replay --pack takes), else its file.
+    packs = {f"rules/{name}.yaml": name for name in shipped_packs()}
+    width = max([18, *(len(packs.get(rule.pos.file, rule.pos.file)) for rule in ruleset.rules)])
+    out.write(f"{'ID':<10} {'NAME':<32} {'TYPE':<10} {'SEVERITY':<9} {'PACK':<{width}} RUNS\n")
     for rule in ruleset.rules:
         if rule.id in active:
             runs = "yes"
@@ -159,5 +165,6 @@ def run_list(args: argparse.Namespace) -> int:
             runs = "strict only"
         else:
             runs = "no (disabled)"
-        out.write(f"{rule.id:<10} {rule.name:<32} {rule.type:<10} {rule.severity:<9} {runs}\n")
+        pack = packs.get(rule.pos.file, rule.pos.file)
+        out.write(f"{rule.id:<10} {rule.name:<32} {rule.type:<10} {rule.severity:<9} {pack:<{width}} {runs}\n")
     return EXIT_OK

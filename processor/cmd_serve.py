@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
             config.evaluate.rules,
             include_shipped=config.evaluate.include_shipped_rules,
             limits=config.evaluate.rule_limits.cost_limits(),
+            packs=config.evaluate.packs,
         )
         sys.stdout.write(f"configuration {args.config or '(default)'} is valid\n")
         return 0

@@ -219,6 +219,8 @@ class EvaluateConfig:
     strict: bool = False
     rules: list[str] = field(default_factory=list)
     include_shipped_rules: bool = True
+    # Shipped packs whose rules run (empty: all of them); e.g. [durable-sessions] for the skill's checks alone.
+    packs: list[str] = field(default_factory=list)
     allowed_lateness: Duration = _5S
     session_idle_timeout: Duration = _7D
     max_sessions: int = 100_000
@@ -244,6 +246,12 @@ class EvaluateConfig:
             problems.append(Problem(f"{path}.tick_interval", "must be at least 10ms"))
         if self.session_idle_timeout <= 0:
             problems.append(Problem(f"{path}.session_idle_timeout", "must be more than 0"))
+        if self.packs:
+            from processor.evaluate.rulefmt import unknown_packs
+
+            for index, name in enumerate(self.packs):
+                for problem in unknown_packs([name]):
+                    problems.append(Problem(f"{path}.packs[{index}]", problem.message))
         if not self.rules and not self.include_shipped_rules:
             problems.append(
                 Problem(f"{path}.include_shipped_rules", "no rules at all: add rule files or keep the shipped ones")

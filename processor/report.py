@@ -214,14 +214,33 @@ def write_json(report: Report, out: TextIO) -> None:
         out.write(text + "\n")
         return
     out.write(before)
+    # Serialized a block at a time: one orjson call per block, not per violation. A list dumped
+    # with two-space indents is its elements one level deep; two more spaces on every line put
+    # them where the document's violations list is (its elements sit four spaces deep).
     first = True
-    for v in report.ordered():
+    for block in _blocks(report.ordered(), _JSON_BLOCK):
+        text = orjson.dumps([v.to_json() for v in block], option=orjson.OPT_INDENT_2).decode()
         if not first:
             out.write(",\n")
         first = False
-        element = orjson.dumps(v.to_json(), option=orjson.OPT_INDENT_2).decode()
-        out.write(_NESTED_INDENT + element.replace("\n", "\n" + _NESTED_INDENT))
+        out.write(_LIST_INDENT + text[2:-2].replace("\n", "\n" + _LIST_INDENT))
     out.write(after + "\n")
+
+
+# Violations serialized together in the JSON report.
+_JSON_BLOCK: Final = 1024
+_LIST_INDENT: Final = "  "
+
+
+def _blocks(items: Iterator[Violation], size: int) -> Iterator[list[Violation]]:
+    block: list[Violation] = []
+    for item in items:
+        block.append(item)
+        if len(block) >= size:
+            yield block
+            block = []
+    if block:
+        yield block
 
 
 def render_json(report: Report) -> str:

@@ -91,6 +91,7 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
         config.evaluate.rules,
         include_shipped=config.evaluate.include_shipped_rules,
         limits=config.evaluate.rule_limits.cost_limits(),
+        packs=config.evaluate.packs,
     )
     options = EngineOptions(
         strict=config.evaluate.strict,

@@ -223,3 +223,25 @@ def test_a_field_of_many_values_compared_with_a_literal_does_not_multiply_shapes
     assert len(out) == 100
     # Every key is "a string other than the literal": one shape, plus the empty key's.
     assert len(engine._routes) == 2
+
+
+def test_payload_keys_and_their_order_do_not_make_shapes() -> None:
+    """Records that differ only in keys no guard reads, or in key order, share one route."""
+    rng = random.Random(3)
+    items = []
+    for n in range(1, 401):
+        payload = {f"extra_{rng.randrange(1000)}": n for _ in range(rng.randrange(4))}
+        fields: dict[str, Any] = {"kind": "llm_call", "result": None, **payload}
+        keys = list(fields)
+        rng.shuffle(keys)
+        items.append(log_line(n, **{key: fields[key] for key in keys}))
+    out, engine = run(shipped(), items)
+    assert out == []
+    assert len(engine._routes) == 1
+    # The same records through the engine that runs every rule on every record: the same verdicts.
+    flawed = [log_line(n, kind="llm_call", **{f"p{n % 7}": 1}) for n in range(1, 50)]
+    routed, _ = run(shipped(), flawed)
+    reference = Unrouted(shipped(), EngineOptions())
+    expected = reference.submit_many(flawed) + reference.finish()
+    assert [(v.rule, v.violation_id) for v in routed] == [(v.rule, v.violation_id) for v in expected]
+    assert {v.rule for v in routed} == {"DS001"}

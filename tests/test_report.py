@@ -6,6 +6,7 @@ import random
 from collections import Counter
 
 import orjson
+import pytest
 
 from processor.report import Report, render_json, render_text
 from processor.summary import EngineSummary, SessionSummary
@@ -75,9 +76,10 @@ def test_spilled_runs_merge_into_the_order_of_one_sort() -> None:
         spilled.close()
 
 
-def test_the_streamed_json_is_the_whole_document_dumped_at_once() -> None:
-    violations = _violations(60, seed=2)
-    report = _report(violations, spill_at=25)
+@pytest.mark.parametrize("count", [60, 2_500])  # 2,500: the violations are written in several blocks
+def test_the_streamed_json_is_the_whole_document_dumped_at_once(count: int) -> None:
+    violations = _violations(count, seed=2)
+    report = _report(violations, spill_at=25 if count < 100 else 700)
     try:
         ordered = sorted(violations, key=report._key)
         document = {

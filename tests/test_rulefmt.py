@@ -320,7 +320,7 @@ def test_shipped_rules_dir_in_a_checkout() -> None:
 def test_shipped_packs_hold_the_contract_ids() -> None:
     ruleset = load_rules([])
     ids = [r.id for r in ruleset.rules]
-    assert ids == [f"DS00{i}" for i in range(10)] + [f"DS1{i:02d}" for i in range(1, 13)]
+    assert ids == [f"DS00{i}" for i in range(10)] + [f"DS1{i:02d}" for i in range(1, 13)] + ["DS114"]
     names = {r.id: r.name for r in ruleset.rules}
     assert names["DS000"] == "malformed-record" and names["DS009"] == "duplicate-action-id"
     assert names["DS105"] == "retry-cap-not-escalated" and names["DS110"] == "checkpoint-lags-side-effect"
@@ -331,7 +331,7 @@ def test_shipped_packs_hold_the_contract_ids() -> None:
 
 def test_a_shipped_pack_named_by_path_is_loaded_once() -> None:
     ruleset = load_rules([REPO / "rules" / "durable-sessions.yaml", REPO / "rules"])
-    assert len(ruleset.rules) == 22
+    assert len(ruleset.rules) == 23
 
 
 def test_without_shipped_packs_only_the_files_named(tmp_path: Path) -> None:

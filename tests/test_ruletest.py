@@ -42,7 +42,7 @@ def test_every_shipped_rule_is_tripped_and_near_missed() -> None:
                 assert named, case.name
                 assert not named & {e.rule for e in case.expect}, case.name
                 near_missed |= named
-    shipped = {f"DS00{i}" for i in range(10)} | {f"DS1{i:02d}" for i in range(1, 12)}
+    shipped = {f"DS00{i}" for i in range(10)} | {f"DS1{i:02d}" for i in range(1, 12)} | {"DS114"}
     assert shipped <= expected_rules
     assert shipped <= near_missed
 
@@ -170,7 +170,7 @@ def test_rules_check_ok() -> None:
     code, out, err = _cli("rules", "check", str(REPO / "rules"))
     assert (code, err) == (0, "")
     # Shipped packs are named as the loader names them in every message.
-    assert out == "rules/durable-sessions.yaml: SUCCESS: 10 rules\nrules/session-checks.yaml: SUCCESS: 12 rules\n"
+    assert out == "rules/durable-sessions.yaml: SUCCESS: 10 rules\nrules/session-checks.yaml: SUCCESS: 13 rules\n"
 
 
 def test_rules_check_checks_test_files_named_with_the_rules() -> None:
@@ -221,7 +221,7 @@ def test_rules_list_after_overrides(tmp_path: Path) -> None:
     code, out, _ = _cli("rules", "list", str(user))
     assert code == 0
     rows = {line.split()[0]: line for line in out.splitlines()[1:]}
-    assert len(rows) == 22
+    assert len(rows) == 23
     assert rows["DS007"].endswith("no (disabled)")
     assert rows["DS008"].endswith("strict only")
     assert rows["DS002"].split()[1:4] == ["unkeyed-side-effect", "condition", "critical"]

@@ -64,7 +64,8 @@ exporters can clear the alert, and the session counts a wait resolved late.
 **Routes.** Most rules cannot fire on most records, and their CEL *guards* (see
 :class:`processor.evaluate.cel.Guard`) say so from a few fields: the record's kind,
 status, a key's presence. Which rules to run on a record is computed once per record
-*shape* (the source, the values of guarded fields, the keys present) and cached: a
+*shape* (the source, the classes of guarded fields' values, the presence of the keys
+guards and group keys test; not the record's other keys) and cached: a
 condition whose guard refutes the record is not evaluated, a stateful rule whose
 ``first`` cannot match skips sessions that hold no state for it. A refuted expression
 evaluates to false, never to an error, so routes change no verdict and no error count.
@@ -191,6 +192,7 @@ class _Plan:
         "condition_fn",
         "deadline",
         "field",
+        "file_scope",
         "first",
         "first_fn",
         "first_names",
@@ -258,6 +260,7 @@ class _Plan:
         # A violation may later be reported on the opening record, long after it is gone.
         self.needs_prov = rule.type == "absence" or (rule.type == "sequence" and self.report_first)
         self.compact = rule.type == "sequence" and self.within_ns is None and not self.report_first
+        self.file_scope = rule.log_scope == "file"
 
 
 class _Handler(Protocol):
@@ -448,6 +451,11 @@ def _delivery_digest(key: tuple[str, str, int]) -> bytes:
     return _blake2b(raw, digest_size=8).digest()
 
 
+def _file_digest(origin: str, action_id: str) -> bytes:
+    """A remembered (file, action id) pair in 16 bytes, whatever the length of the id."""
+    return _blake2b(f"{origin}\x1f{action_id}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def _same_value(a: Any, b: Any) -> bool:
     """CEL-like equality for ``change``: numbers compare as numbers, bool is not a number."""
     if isinstance(a, bool) or isinstance(b, bool):
@@ -511,6 +519,7 @@ class Engine:
         # values of a few fields, the keys present and the source. Records of one shape share
         # a route, computed once (see _route).
         literals: dict[str, set[str]] = {}
+        present: set[str] = set()
         for plan in [*self._condition_plans, *self._stateful_plans]:
             for expression in (plan.condition, plan.first, plan.then):
                 guard = None if expression is None else expression.guard
@@ -518,12 +527,24 @@ class Engine:
                     for (variable, name), strings in guard.values.items():
                         if variable == "record":
                             literals.setdefault(name, set()).update(strings)
+                    present.update(name for variable, name in guard.presence if variable == "record")
+            # A route skips a group key only when the key's field is present (see _route).
+            present.update(e.path[1] for e in plan.group_by if e.path is not None and e.path[0] == "record")
         self._guarded_fields = tuple(sorted(literals))
+        # The only keys whose presence a route depends on: a record's other keys (a payload, a
+        # model name) and their order do not make a shape of their own.
+        self._presence_fields = tuple(sorted(present))
         # A guarded field's value enters a record's shape as its class: one of the literals it is
         # compared with, or else its type (any other string is ``str``). An id or a key compared
         # with a literal must not make every record a shape of its own.
         self._value_classes = tuple({s: s for s in literals[name]} for name in self._guarded_fields)
         self._routes: dict[tuple[Any, ...], _Route] = {}
+        # ``log_scope: file`` rules on action-log lines: per rule, the groups of the whole input
+        # file across its sessions, keyed by a fixed-size digest of (file, action id). Replay
+        # only reads logs; this state is not the store's (a span never touches it).
+        self._file_plans = tuple(p for p in self._stateful_plans if p.file_scope)
+        self._file_groups: dict[int, dict[bytes, tuple[Any, ...]]] = {p.index: {} for p in self._file_plans}
+        self._no_kept: dict[int, tuple[Any, ...]] = {p.index: (MISSING,) * len(p.first_names) for p in self._file_plans}
         kinds = [cast(StateKind, p.kind) for p in self._stateful_plans]
         self.schema = RuleSchema(
             rule_ids=tuple(p.id for p in self._stateful_plans),
@@ -772,6 +793,12 @@ class Engine:
 
     def _submit_malformed(self, item: Malformed, out: list[Violation]) -> None:
         self._state.counters["malformed"] += 1
+        if item.action_id and item.source == "log":
+            # The skill's checker counts an id even on a line it rejects for another field: a later
+            # line with the same id repeats it. This line itself is DS000 alone.
+            for plan in self._file_plans:
+                groups = self._file_groups[plan.index]
+                groups.setdefault(_file_digest(item.origin, item.action_id), self._no_kept[plan.index])
         session = self._session(item.session_id) if item.session_id else None
         if session is not None:
             self._note_activity(session, None)
@@ -964,6 +991,11 @@ class Engine:
                 except EvaluationError:
                     self._rule_error(plan, "condition")
                     continue
+            if plan.file_scope and action.source == "log":
+                self._file_sequence(
+                    plan, action, session, out, first_possible=first_possible, then_possible=then_possible
+                )
+                continue
             if skip_when_empty:
                 rules = session.rules
                 if rules is None or rules[plan.index] is None:
@@ -1032,7 +1064,11 @@ class Engine:
             return route
         values = list(map(record.get, self._guarded_fields))
         try:
-            shape = (source, *map(_class_of, self._value_classes, values, map(type, values)), *record)
+            shape = (
+                source,
+                *map(_class_of, self._value_classes, values, map(type, values)),
+                *map(record.__contains__, self._presence_fields),
+            )
             return self._routes[shape]
         except KeyError:
             return self._new_route(shape, record)
@@ -1240,6 +1276,34 @@ class Engine:
         if (opened is None or plan.keep_latest) and first_possible and self._predicate(plan, plan.first, act, "first"):
             prov = self._provenance(action, session) if plan.needs_prov else None
             self._put(plan, session, key, SequenceState(self._kept(plan, action.record), t, prov))
+
+    def _file_sequence(
+        self,
+        plan: _Plan,
+        action: Action,
+        session: SessionState,
+        out: list[Violation],
+        *,
+        first_possible: bool,
+        then_possible: bool,
+    ) -> None:
+        """A ``log_scope: file`` sequence on an action-log line: its group is the file's, not the session's."""
+        value = action.record.get("action_id")
+        if type(value) is not str or not value:
+            return
+        groups = self._file_groups[plan.index]
+        digest = _file_digest(action.origin, value)
+        found = groups.get(digest)
+        act = self._act
+        if found is not None:
+            if then_possible:
+                act["first"] = self._first_view(plan, found)
+                if self._predicate(plan, plan.then, act, "then"):
+                    self._emit(self._violation(plan, action, act, session), session, out)
+                act["first"] = _EMPTY
+            return
+        if first_possible and self._predicate(plan, plan.first, act, "first"):
+            groups[digest] = self._kept(plan, action.record)
 
     def _absence(
         self,

@@ -24,6 +24,10 @@ Rule types:
     match replaces it); a later record matching ``then`` (which may read ``first``) fires,
     if it came ``within`` seconds (when set). Reported on the ``then`` record, or on the
     ``first`` record with ``report_on: first``.
+    With ``log_scope: file`` (grouped by ``record.action_id`` alone), action-log lines
+    share one group per action id across the sessions of a file, and a malformed line
+    that carries an action id opens it too (it fires nothing itself): the skill's
+    checker counts every repeat of an id in a file. Spans keep per-session groups.
 ``absence``
     Per group: a record matching ``first`` starts a wait that a later record matching
     ``then`` resolves. Fires on the ``first`` record when the deadline passes unresolved:
@@ -135,6 +139,9 @@ class Rule:
     window_s: float | None = None
     # Fields of ``first`` that later expressions read: all the state a group keeps.
     first_fields: frozenset[str] = frozenset()
+    # sequence grouped by action id: on action-log lines, one group per file across sessions
+    # (malformed lines with an action id open it too), as the skill's checker counts repeats.
+    log_scope: Literal["session", "file"] = "session"
 
     @property
     def stateful(self) -> bool:

@@ -79,7 +79,7 @@ COMMON_RULE_KEYS: Final = (
 TYPE_KEYS: Final[dict[RuleType, tuple[str, ...]]] = {
     "condition": ("condition",),
     "malformed": (),
-    "sequence": ("condition", "group_by", "first", "then", "keep", "within", "report_on"),
+    "sequence": ("condition", "group_by", "first", "then", "keep", "within", "report_on", "log_scope"),
     "absence": ("condition", "group_by", "first", "then", "within", "deadline", "within_actions"),
     "change": ("condition", "group_by", "field"),
     "count": ("condition", "group_by", "threshold", "window"),
@@ -134,6 +134,21 @@ def shipped_rule_files() -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.glob("*.yaml") if not p.name.endswith(".test.yaml"))
+
+
+def shipped_packs() -> dict[str, Path]:
+    """The shipped packs by name (the file name without ``.yaml``: ``durable-sessions``), in load order."""
+    return {path.stem: path for path in shipped_rule_files()}
+
+
+def unknown_packs(names: Sequence[str]) -> list[Problem]:
+    """A problem for each name that is not a shipped pack, listing the ones that are."""
+    known = shipped_packs()
+    return [
+        Problem("", f"no rule pack named {name!r}{_suggest(name, list(known))}; shipped packs: {', '.join(known)}")
+        for name in names
+        if name not in known
+    ]
 
 
 def parse_duration(text: str, *, allow_zero: bool = False) -> float:
@@ -210,6 +225,12 @@ def _environments(
 
 class _StrictLoader(yaml.SafeLoader):
     """A SafeLoader that composes nodes only: values are decoded here, with their marks."""
+
+
+# libyaml composes the same nodes ten times faster (rule loading is most of a short replay's
+# start-up). Used for ASCII text, where its marks count as ours do; any YAML error is composed
+# again by the Python loader, whose messages the problems quote.
+_FastLoader: type[yaml.SafeLoader] | None = getattr(yaml, "CSafeLoader", None)
 
 
 @dataclass(slots=True)
@@ -552,6 +573,11 @@ def _read_file(path: Path, display: str, shipped: bool, problems: _Problems) -> 
 
 
 def _compose(src: _SourceFile, problems: _Problems) -> Node | None:
+    if _FastLoader is not None and src.text.isascii():
+        try:
+            return yaml.compose(src.text, Loader=_FastLoader)
+        except yaml.YAMLError:
+            pass  # said below, in the Python loader's words
     try:
         return yaml.compose(src.text, Loader=_StrictLoader)
     except yaml.MarkedYAMLError as exc:
@@ -860,6 +886,18 @@ class _RuleBuilder:
             ctx.integer(n, "threshold", minimum=1, maximum=1_000_000) if (n := value("threshold")) is not None else 0
         )
         message = self.message(ctx, n, message_env) if (n := value("message")) is not None else None
+        log_scope = "session"
+        if (n := value("log_scope")) is not None:
+            log_scope = ctx.choice(n, "log_scope", ("session", "file")) or "session"
+            by_action_id = len(group_by) == 1 and group_by[0].path == ("record", "action_id")
+            if log_scope == "file" and not (
+                by_action_id and keep == "first" and report_on == "then" and within_s is None
+            ):
+                # A malformed line carries its action id and nothing else a rule could read.
+                ctx.error(
+                    n,
+                    "log_scope: file needs group_by: [record.action_id], keep: first, report_on: then and no within",
+                )
 
         if self.problems.count() != problems_before:
             return None
@@ -893,6 +931,7 @@ class _RuleBuilder:
             threshold=threshold or 0,
             window_s=window_s,
             first_fields=frozenset(first_fields),
+            log_scope=cast(Literal["session", "file"], log_scope),
         )
         return _Located(rule, ctx.src, entries["id"][1])
 
@@ -1002,8 +1041,17 @@ def _load(
     include_shipped: bool,
     strict_only_ok: bool,
     problems: _Problems,
+    *,
     limits: CostLimits | None = None,
+    packs: Sequence[str] = (),
 ) -> RuleSet:
+    for problem in unknown_packs(packs):
+        problems.add(problem.where, problem.message)
+    # Packs not chosen are still read for their lists (session-checks uses durable-sessions'),
+    # but their rules are left out, so overrides cannot name them either.
+    left_out = (
+        {f"rules/{name}.yaml" for name in shipped_packs() if name not in packs} if packs and include_shipped else set()
+    )
     parsed_files: list[_ParsedFile] = []
     for path, display, shipped in _collect(paths, include_shipped):
         problems.file_order.setdefault(display, len(problems.file_order))
@@ -1048,8 +1096,10 @@ def _load(
                     ctx.error(id_node, f"duplicate id {id_node.value}: already used at {earlier}")
                     duplicate = True
             located = builder.build(ctx, node)
-            if located is not None and not duplicate:
+            if located is not None and not duplicate and located.rule.pos.file not in left_out:
                 ruleset.rules.append(located.rule)
+    if left_out:
+        ruleset.files = [name for name in ruleset.files if name not in left_out]
 
     overridden: dict[str, _Override] = {}
     rules_by_id = ruleset.by_id()
@@ -1104,10 +1154,14 @@ def load_rules(
     paths: Sequence[str | Path],
     include_shipped: bool = True,
     strict_only_ok: bool = True,
+    packs: Sequence[str] = (),
     *,
     limits: CostLimits | None = None,
 ) -> RuleSet:
     """Load the shipped packs (unless ``include_shipped`` is false) and ``paths``, then apply overrides.
+
+    ``packs``, when given, names the shipped packs whose rules run (``durable-sessions``
+    alone gives the skill's checks); the others are read only for their lists.
 
     ``paths`` may name directories (their ``*.yaml`` rule files, tests excluded). A path
     that is itself a shipped pack is loaded once. With ``strict_only_ok`` false, rules
@@ -1117,7 +1171,7 @@ def load_rules(
     :class:`RuleFormatError` listing every problem in every file.
     """
     problems = _Problems()
-    ruleset = _load(paths, include_shipped, strict_only_ok, problems, limits)
+    ruleset = _load(paths, include_shipped, strict_only_ok, problems, limits=limits, packs=packs)
     found = problems.final()
     if found:
         count = len(found)
@@ -1126,11 +1180,15 @@ def load_rules(
 
 
 def lint(
-    paths: Sequence[str | Path], include_shipped: bool = True, *, limits: CostLimits | None = None
+    paths: Sequence[str | Path],
+    include_shipped: bool = True,
+    packs: Sequence[str] = (),
+    *,
+    limits: CostLimits | None = None,
 ) -> list[Problem]:
     """Every problem in ``paths`` (checked together with the shipped packs, which overrides may name)."""
     problems = _Problems()
-    _load(paths, include_shipped, True, problems, limits)
+    _load(paths, include_shipped, True, problems, limits=limits, packs=packs)
     return problems.final()
 
 

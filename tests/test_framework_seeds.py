@@ -168,11 +168,10 @@ def test_workflow_resumed_after_delay_with_replayed_outcomes_is_clean(framework:
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_workflow_resumed_after_delay_that_reasks_the_human(framework: str, tmp_path: Path) -> None:
-    expected = [("DS101", "ask-dates", "pod-c")]
-    if framework == "pydantic-ai":
-        # pydantic-ai's tool span carries the model's call id, the same in both runs: the
-        # re-executed tool call is reported too.
-        expected.append(("DS101", "call_ask_traveller_1", "pod-c"))
+    # Every framework's tool span carries the model's call id (pydantic-ai's own attribute, the
+    # others linked from the LLM span that asked for the call), the same in both runs: the
+    # re-executed tool call is reported too, beside the re-asked human.
+    expected = [("DS101", "ask-dates", "pod-c"), ("DS101", "call_ask_traveller_1", "pod-c")]
     actions, served = _resumed_workflow(framework, reask=True, tmp_path=tmp_path)
     assert verdicts(actions) == expected
     assert {(rule, action) for rule, _, action in served if rule != "DS001"} == {(r, a) for r, a, _ in expected}

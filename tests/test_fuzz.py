@@ -30,7 +30,7 @@ from processor.errors import ConfigError, EvaluationError, ExpressionError, Inpu
 from processor.evaluate.cel import Environment, compile_expression
 from processor.evaluate.rulefmt import lint, load_rules
 from processor.receive.files import read_input
-from processor.records import Action, Malformed
+from processor.records import Action, Malformed, SessionMark
 from tests.fuzz_support import FUZZ, bounded_memory, corpus, inputs, mutated, only_raises, seeds, text_of
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(240)]
@@ -53,7 +53,7 @@ def check_otlp_proto(data: bytes) -> None:
     if not isinstance(official, DecodeError):
         assert fast == CONVERTER.convert(official, "fuzz")
         for item in fast.items:
-            assert isinstance(item, Action | Malformed)
+            assert isinstance(item, Action | Malformed | SessionMark)
 
 
 @pytest.mark.parametrize("path", corpus("otlp-proto"), ids=_ids("otlp-proto"))

@@ -20,6 +20,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,6 +49,8 @@ log = logging.getLogger("durable_check.exporters")
 FsyncMode = Literal["always", "batch", "never"]
 # A retry of a failed write re-tries all of these at once.
 _RETRY_BATCH = 1000
+# Seconds between looks at the held rotated copies outside rotation.
+_SETTLE_INTERVAL_S = 1.0
 
 
 def dumps_line(document: dict[str, Any]) -> bytes:
@@ -229,6 +232,15 @@ class RotatingFile:
         if self.fsync != "never":
             self._fsync_dir()
 
+    def settle_held(self) -> None:
+        """Let go of the held copies nothing is owed from any more (also done at every rotation)."""
+        holding = self.hold_max_size > 0 and self.undelivered is not None
+        if len(self.rotated_paths()) <= self.keep:
+            return
+        self._settle(holding)
+        if self.fsync != "never":
+            self._fsync_dir()
+
     def _removed(self, lines: int, owed: int) -> None:
         if lines and self.on_removed is not None:
             self.on_removed(lines, owed)
@@ -351,6 +363,7 @@ class JsonlExporter:
             self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
                                               on_removed=self._rotated_away("actions"))
         self._written: OrderedDict[str, None] = OrderedDict()
+        self._settled_at = time.monotonic()
         try:
             self._load_written()
         except OSError as exc:
@@ -467,6 +480,19 @@ class JsonlExporter:
                     self._remember(v.violation_id)
             return len(fresh)
 
+    def _settle_now_and_then(self) -> None:
+        """Held copies whose violations were delivered elsewhere meanwhile go within a second of
+        the next export, not only at the next rotation (at most one look a second: it stats files)."""
+        now = time.monotonic()
+        if now - self._settled_at < _SETTLE_INTERVAL_S:
+            return
+        self._settled_at = now
+        try:
+            with self._lock:
+                self._file.settle_held()
+        except OSError as exc:  # the lines are written; a copy not let go now is looked at again later
+            log.warning("exporter jsonl: could not let go of a held rotated copy (%s)", describe_error(exc))
+
     def _write_queued(self, violations: list[Violation]) -> SendResult:
         try:
             self._write(violations)
@@ -483,6 +509,7 @@ class JsonlExporter:
                 self._queue.put(violations)
                 return
             written = self._write(violations)
+            self._settle_now_and_then()
             if written:
                 self._telemetry.exporter_sent.labels(self.name).inc(written)
             # Every one of them is in the file now: just written, or skipped as written before.

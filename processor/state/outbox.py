@@ -306,12 +306,13 @@ class Dispatcher:
         if not rows:
             return
         now = time.monotonic()
-        for name, exporter in self._exporters.items():
-            if only is not None and name != only:
-                continue
+        targets = [(name, e) for name, e in self._exporters.items() if only is None or name == only]
+        # Every exporter's flight first: JSONL rotating while it writes these asks what the others owe.
+        for name, _ in targets:
             flight = self._in_flight[name]
             for seq, violation in rows:
                 flight[violation.violation_id] = (seq, now)
+        for name, exporter in targets:
             exporter.export([v for _, v in rows])
             if name not in self._confirming:
                 # It offers no confirmation: taken into its own hands is as delivered as it gets.

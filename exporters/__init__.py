@@ -84,10 +84,11 @@ def _hold_rotated_copies(exporters: list[Exporter], cfg: JsonlConfig) -> None:
     for jsonl in exporters:
         if not isinstance(jsonl, JsonlExporter):
             continue
-        queues = [q for e in exporters if e is not jsonl and isinstance(q := getattr(e, "queue", None), RetryQueue)]
+        others = [e for e in exporters if e is not jsonl and callable(getattr(e, "add_delivery_listener", None))]
+        queues = [q for e in others if isinstance(q := getattr(e, "queue", None), RetryQueue)]
         if queues:
             jsonl.hold_for(undelivered_in_queues(queues))
-        else:
+        elif not others:
             log.info("exporter jsonl: the only exporter that delivers violations; its file and %d rotated "
                      "copies (%s bytes each) are the only copy, and rotation removes the oldest",
                      cfg.rotate_keep, cfg.rotate_max_size)

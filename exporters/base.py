@@ -43,8 +43,9 @@ T = TypeVar("T")
 
 _OVERFLOW_LOG_INTERVAL_S = 10.0
 
-# ``undelivered(violation_ids)``: those of the ids another exporter has not delivered yet.
-Undelivered = Callable[[Collection[str]], set[str]]
+# ``undelivered(violation_ids)``: those of the ids another exporter has not delivered yet,
+# or None while that cannot be told yet (serve's outbox before it handed its rows over again).
+Undelivered = Callable[[Collection[str]], set[str] | None]
 
 
 @runtime_checkable

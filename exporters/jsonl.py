@@ -251,8 +251,7 @@ class RotatingFile:
         past = self.rotated_paths()[self.keep:]
         kept: list[Path] = []
         for copy in past:
-            owed = self._still_owed(copy) if holding else set()
-            if owed:
+            if holding and self._still_owed(copy):
                 kept.append(copy)
             else:
                 self._remove(copy, 0)
@@ -261,29 +260,35 @@ class RotatingFile:
         while kept and total > self.hold_max_size:
             oldest = kept.pop()
             total -= _size_of(oldest)
-            self._remove(oldest, len(self._owed.get(_file_key(oldest), ())))
+            owed = self._owed.get(_file_key(oldest))
+            # Not looked at yet (before serve's outbox could tell): none of its lines is known delivered.
+            self._remove(oldest, len(owed) if owed is not None else -1)
         for index, copy in enumerate(kept, start=self.keep + 1):
             if copy != self._numbered(index):
                 os.replace(copy, self._numbered(index))
 
     def _remove(self, copy: Path, owed: int) -> None:
+        """Remove a copy; ``owed`` of its lines were not delivered elsewhere (-1: all of them, as far as known)."""
         key = _file_key(copy)
         removed = _count_lines(copy)
         copy.unlink(missing_ok=True)
         self._owed.pop(key, None)
-        self._removed(removed, owed)
+        self._removed(removed, removed if owed < 0 else owed)
 
-    def _still_owed(self, copy: Path) -> set[str]:
-        """The ids in ``copy`` that another exporter has not delivered yet (read once per copy)."""
+    def _still_owed(self, copy: Path) -> bool:
+        """Whether another exporter has not delivered some violation in ``copy`` yet. The file is
+        read once; after that only the ids still owed are kept and asked about."""
         assert self.undelivered is not None
         key = _file_key(copy)
         known = self._owed.get(key)
         owed = self.undelivered(known if known is not None else _violation_ids(copy))
+        if owed is None:
+            return True  # cannot be told yet: keep it, and read it again when it can
         if owed:
             self._owed[key] = owed
         else:
             self._owed.pop(key, None)
-        return owed
+        return bool(owed)
 
     def _fsync_dir(self) -> None:
         dir_fd = os.open(self.path.parent, os.O_RDONLY)

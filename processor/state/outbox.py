@@ -284,11 +284,11 @@ class Dispatcher:
                 others = self._confirming - {name}
                 hold_for(self._undelivered_by(others) if others else None)
 
-    def _undelivered_by(self, names: set[str]) -> Callable[[Collection[str]], set[str]]:
-        def undelivered(violation_ids: Collection[str]) -> set[str]:
+    def _undelivered_by(self, names: set[str]) -> Callable[[Collection[str]], set[str] | None]:
+        def undelivered(violation_ids: Collection[str]) -> set[str] | None:
             """Those of the ids pending for one of ``names``: handed over and not confirmed."""
             if not self._resumed:
-                return set(violation_ids)
+                return None  # the pending rows are not all handed over yet: nothing is known delivered
             flights = [self._in_flight[name] for name in names]
             # Membership tests only (never iterating a dict the evaluator thread changes).
             return {vid for vid in violation_ids if any(vid in flight for flight in flights)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from exporters.alertmanager import AlertmanagerExporter
-from exporters.base import Exporter, RetryPolicy, RetryQueue, SendResult, violation_document
+from exporters.base import Exporter, RetryPolicy, RetryQueue, SendResult, undelivered_in_queues, violation_document
 from exporters.config import (
     AlertmanagerConfig,
     ExportersConfig,
@@ -74,4 +74,21 @@ def build_exporters(cfg: ExportersConfig, telemetry: Telemetry) -> list[Exporter
             exporter.shutdown(1.0)
         raise
     log.info("exporters: %s", ", ".join(e.name for e in exporters) or "none")
+    _hold_rotated_copies(exporters, cfg.jsonl)
     return exporters
+
+
+def _hold_rotated_copies(exporters: list[Exporter], cfg: JsonlConfig) -> None:
+    """JSONL rotation keeps the copies holding what the other exporters' queues still owe (serve's
+    outbox, when state is durable, takes this over with what it has pending)."""
+    for jsonl in exporters:
+        if not isinstance(jsonl, JsonlExporter):
+            continue
+        others = [e for e in exporters if e is not jsonl and callable(getattr(e, "add_delivery_listener", None))]
+        queues = [q for e in others if isinstance(q := getattr(e, "queue", None), RetryQueue)]
+        if queues:
+            jsonl.hold_for(undelivered_in_queues(queues))
+        elif not others:
+            log.info("exporter jsonl: the only exporter that delivers violations; its file and %d rotated "
+                     "copies (%s bytes each) are the only copy, and rotation removes the oldest",
+                     cfg.rotate_keep, cfg.rotate_max_size)

@@ -26,7 +26,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -42,6 +42,10 @@ log = logging.getLogger("durable_check.exporters")
 T = TypeVar("T")
 
 _OVERFLOW_LOG_INTERVAL_S = 10.0
+
+# ``undelivered(violation_ids)``: those of the ids another exporter has not delivered yet,
+# or None while that cannot be told yet (serve's outbox before it handed its rows over again).
+Undelivered = Callable[[Collection[str]], set[str] | None]
 
 
 @runtime_checkable
@@ -264,6 +268,11 @@ class RetryQueue(Generic[T]):
         with self._cond:
             return len(self._queued) + len(self._in_flight)
 
+    def holding(self, keys: Iterable[str]) -> set[str]:
+        """Those of ``keys`` queued or in flight: not delivered yet, nor given up on."""
+        with self._cond:
+            return {k for k in keys if k in self._queued or k in self._in_flight}
+
     def shutdown(self, timeout_s: float) -> None:
         """Stop taking items, deliver what fits in ``timeout_s``, count the rest as dropped."""
         with self._cond:
@@ -400,6 +409,17 @@ class QueuedViolationExporter(ABC):
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._queue.shutdown(timeout_s)
         self._close()
+
+
+def undelivered_in_queues(queues: Sequence[RetryQueue[Any]]) -> Undelivered:
+    """What these retry queues still hold (queued or in flight): with state in memory, that is
+    all that is owed. What a queue gave up on is counted in its ``exporter_dropped``."""
+    def undelivered(violation_ids: Collection[str]) -> set[str]:
+        owed: set[str] = set()
+        for queue in queues:
+            owed |= queue.holding(violation_ids)
+        return owed
+    return undelivered
 
 
 def json_default(value: Any) -> Any:

@@ -25,6 +25,7 @@ _10S = Duration(10.0)
 _1S = Duration(1.0)
 _30S = Duration(30.0)
 _64MIB = ByteSize(64 * 1024 * 1024)
+_256MIB = ByteSize(256 * 1024 * 1024)
 _1M = Duration(60.0)
 _1H = Duration(3600.0)
 
@@ -75,6 +76,9 @@ class JsonlConfig:
     path: str = ""
     rotate_max_size: ByteSize = _64MIB
     rotate_keep: int = 5
+    # Rotated copies holding violations other exporters have not delivered yet are kept
+    # past rotate_keep, up to this many bytes in all; 0 holds nothing.
+    rotate_hold_max_size: ByteSize = _256MIB
     fsync: Literal["always", "batch", "never"] = "batch"
     actions: bool = False
     actions_path: str = ""
@@ -87,6 +91,8 @@ class JsonlConfig:
         problems = []
         if self.rotate_keep < 0:
             problems.append(Problem(_at(path, "rotate_keep"), "must not be negative"))
+        if self.rotate_hold_max_size < 0:
+            problems.append(Problem(_at(path, "rotate_hold_max_size"), "must not be negative"))
         if self.actions and not self.actions_path:
             problems.append(Problem(_at(path, "actions_path"), "is required when actions is true"))
         if self.actions_path and self.actions_path == self.path:

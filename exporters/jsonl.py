@@ -14,11 +14,13 @@ copies, so a restart that re-evaluates the same input does not write a line twic
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,6 +32,7 @@ from exporters.base import (
     RetryPolicy,
     RetryQueue,
     SendResult,
+    Undelivered,
     describe_error,
     json_default,
     tell_listeners,
@@ -46,6 +49,8 @@ log = logging.getLogger("durable_check.exporters")
 FsyncMode = Literal["always", "batch", "never"]
 # A retry of a failed write re-tries all of these at once.
 _RETRY_BATCH = 1000
+# Seconds between looks at the held rotated copies outside rotation.
+_SETTLE_INTERVAL_S = 1.0
 
 
 def dumps_line(document: dict[str, Any]) -> bytes:
@@ -61,23 +66,43 @@ class RotatingFile:
     """
 
     def __init__(
-        self, path: Path, max_size: int, keep: int, fsync: FsyncMode,
-        on_removed: Callable[[int], None] | None = None,
+        self, path: Path, max_size: int, keep: int, fsync: FsyncMode, *,
+        on_removed: Callable[[int, int], None] | None = None, hold_max_size: int = 0,
     ) -> None:
         self.path = path
-        # Told how many lines a rotation removed with the oldest copy: never silently.
+        # Told how many lines a rotation removed with a copy, and how many of them other
+        # exporters had not delivered yet: never silently.
         self.on_removed = on_removed
         self.max_size = max_size
         self.keep = keep
         self.fsync = fsync
+        # Copies past ``keep`` that hold violations not delivered elsewhere are kept, up to
+        # this many bytes in all; ``undelivered(ids)`` says which ids other exporters still owe.
+        self.hold_max_size = hold_max_size
+        self.undelivered: Undelivered | None = None
+        # (device, inode) of a held copy -> its ids still owed elsewhere (a copy keeps its
+        # inode across renames; the set only shrinks, and is bounded by the others' queues).
+        self._owed: dict[tuple[int, int], set[str]] = {}
         self._fd: int | None = None
         self._size = 0
         self._regular = True
         self.lines_written = 0
 
+    def _numbered(self, index: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{index}")
+
     def rotated_paths(self) -> list[Path]:
-        """The rotated copies, newest first."""
-        return [self.path.with_name(f"{self.path.name}.{i}") for i in range(1, self.keep + 1)]
+        """The rotated copies, newest first: ``path.1`` … ``path.<keep>``, then the held ones past it."""
+        paths = [self._numbered(i) for i in range(1, self.keep + 1)]
+        index = self.keep + 1
+        while self._numbered(index).exists():
+            paths.append(self._numbered(index))
+            index += 1
+        return paths
+
+    def held_bytes(self) -> int:
+        """Bytes in the copies kept past ``rotate_keep`` for violations not delivered elsewhere."""
+        return sum(_size_of(p) for p in self.rotated_paths()[self.keep:])
 
     def _open(self) -> int:
         if self._fd is None:
@@ -188,19 +213,82 @@ class RotatingFile:
 
     def _rotate(self) -> None:
         self.close()
-        doomed = self.rotated_paths()[-1] if self.keep else self.path
-        removed = _count_lines(doomed)
-        if self.keep == 0:
+        holding = self.hold_max_size > 0 and self.undelivered is not None
+        if self.keep == 0 and not holding:
+            removed = _count_lines(self.path)
             self.path.unlink(missing_ok=True)
+            self._removed(removed, 0)
         else:
-            rotated = self.rotated_paths()
-            for older, newer in zip(reversed(rotated), reversed([self.path, *rotated[:-1]]), strict=True):
-                if newer.exists():
-                    os.replace(newer, older)
+            # Shift every copy one up, held ones included: path -> path.1 -> path.2 …
+            chain = [self.path, *self.rotated_paths()]
+            for copy in chain[1:]:
+                if copy.exists() and not copy.is_file():
+                    # Never move or remove what is not a copy of ours; the write is retried.
+                    raise OSError(errno.EEXIST, "a rotated copy is not a regular file", str(copy))
+            for index in range(len(chain) - 1, -1, -1):
+                if chain[index].exists():
+                    os.replace(chain[index], self._numbered(index + 1))
+            self._settle(holding)
         if self.fsync != "never":
             self._fsync_dir()
-        if removed and self.on_removed is not None:
-            self.on_removed(removed)
+
+    def settle_held(self) -> None:
+        """Let go of the held copies nothing is owed from any more (also done at every rotation)."""
+        holding = self.hold_max_size > 0 and self.undelivered is not None
+        if len(self.rotated_paths()) <= self.keep:
+            return
+        self._settle(holding)
+        if self.fsync != "never":
+            self._fsync_dir()
+
+    def _removed(self, lines: int, owed: int) -> None:
+        if lines and self.on_removed is not None:
+            self.on_removed(lines, owed)
+
+    def _settle(self, holding: bool) -> None:
+        """Remove the copies past ``keep`` that nothing is owed from (or, past the bound, the oldest
+        anyway), then number the rest on from ``keep + 1``."""
+        past = self.rotated_paths()[self.keep:]
+        kept: list[Path] = []
+        for copy in past:
+            if holding and self._still_owed(copy):
+                kept.append(copy)
+            else:
+                self._remove(copy, 0)
+        # Oldest first, until what is held fits its bound.
+        total = sum(_size_of(p) for p in kept)
+        while kept and total > self.hold_max_size:
+            oldest = kept.pop()
+            total -= _size_of(oldest)
+            owed = self._owed.get(_file_key(oldest))
+            # Not looked at yet (before serve's outbox could tell): none of its lines is known delivered.
+            self._remove(oldest, len(owed) if owed is not None else -1)
+        for index, copy in enumerate(kept, start=self.keep + 1):
+            if copy != self._numbered(index):
+                os.replace(copy, self._numbered(index))
+
+    def _remove(self, copy: Path, owed: int) -> None:
+        """Remove a copy; ``owed`` of its lines were not delivered elsewhere (-1: all of them, as far as known)."""
+        key = _file_key(copy)
+        removed = _count_lines(copy)
+        copy.unlink(missing_ok=True)
+        self._owed.pop(key, None)
+        self._removed(removed, removed if owed < 0 else owed)
+
+    def _still_owed(self, copy: Path) -> bool:
+        """Whether another exporter has not delivered some violation in ``copy`` yet. The file is
+        read once; after that only the ids still owed are kept and asked about."""
+        assert self.undelivered is not None
+        key = _file_key(copy)
+        known = self._owed.get(key)
+        owed = self.undelivered(known if known is not None else _violation_ids(copy))
+        if owed is None:
+            return True  # cannot be told yet: keep it, and read it again when it can
+        if owed:
+            self._owed[key] = owed
+        else:
+            self._owed.pop(key, None)
+        return bool(owed)
 
     def _fsync_dir(self) -> None:
         dir_fd = os.open(self.path.parent, os.O_RDONLY)
@@ -217,6 +305,40 @@ class RotatingFile:
                     self._sync(fd)
             finally:
                 os.close(fd)
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _file_key(path: Path) -> tuple[int, int]:
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return (-1, -1)
+    return (info.st_dev, info.st_ino)
+
+
+def _violation_ids(path: Path) -> set[str]:
+    """The violation ids in a JSONL file, read line by line (a line is bounded by what we write)."""
+    ids: set[str] = set()
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return ids
+    with f:
+        for raw in f:
+            try:
+                doc = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue
+            vid = doc.get("violation_id") if isinstance(doc, dict) else None
+            if isinstance(vid, str):
+                ids.add(vid)
+    return ids
 
 
 def _count_lines(path: Path) -> int:
@@ -239,12 +361,14 @@ class JsonlExporter:
         self._lock = threading.Lock()
         self._dedupe_ids = cfg.dedupe_ids
         self._file = RotatingFile(Path(cfg.path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
-                                  self._rotated_away("violations"))
+                                  on_removed=self._rotated_away("violations"),
+                                  hold_max_size=cfg.rotate_hold_max_size)
         self._actions_file: RotatingFile | None = None
         if cfg.actions and cfg.actions_path:
             self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
-                                              self._rotated_away("actions"))
+                                              on_removed=self._rotated_away("actions"))
         self._written: OrderedDict[str, None] = OrderedDict()
+        self._settled_at = time.monotonic()
         try:
             self._load_written()
         except OSError as exc:
@@ -265,12 +389,28 @@ class JsonlExporter:
                 max_queue=cfg.max_queue, batch_size=_RETRY_BATCH, policy=policy,
             )
 
-    def _rotated_away(self, output: str) -> Callable[[int], None]:
-        def removed(lines: int) -> None:
+    def _rotated_away(self, output: str) -> Callable[[int, int], None]:
+        def removed(lines: int, owed: int) -> None:
             self._telemetry.jsonl_lines_rotated_away.labels(output).inc(lines)
-            log.warning("exporter jsonl: rotation removed the oldest %s file with %d lines "
-                        "(exporters.jsonl.rotate_keep / rotate_max_size bound what is kept)", output, lines)
+            if owed:
+                log.warning("exporter jsonl: rotation removed a held %s file with %d lines, %d of them not yet "
+                            "delivered by another exporter (exporters.jsonl.rotate_hold_max_size bounds what is "
+                            "held)", output, lines, owed)
+            else:
+                log.warning("exporter jsonl: rotation removed the oldest %s file with %d lines "
+                            "(exporters.jsonl.rotate_keep / rotate_max_size bound what is kept)", output, lines)
         return removed
+
+    def hold_for(self, undelivered: Undelivered | None) -> None:
+        """Keep rotated copies holding violations that ``undelivered`` says other exporters still owe
+        (up to ``rotate_hold_max_size``); ``None``: no other exporter delivers violations."""
+        with self._lock:
+            self._file.undelivered = undelivered
+
+    def held_bytes(self) -> int:
+        """Bytes of rotated copies kept past ``rotate_keep`` for violations not delivered elsewhere."""
+        with self._lock:
+            return self._file.held_bytes()
 
     # -- start: what was written before ------------------------------------------------
 
@@ -345,6 +485,19 @@ class JsonlExporter:
                     self._remember(v.violation_id)
             return len(fresh)
 
+    def _settle_now_and_then(self) -> None:
+        """Held copies whose violations were delivered elsewhere meanwhile go within a second of
+        the next export, not only at the next rotation (at most one look a second: it stats files)."""
+        now = time.monotonic()
+        if now - self._settled_at < _SETTLE_INTERVAL_S:
+            return
+        self._settled_at = now
+        try:
+            with self._lock:
+                self._file.settle_held()
+        except OSError as exc:  # the lines are written; a copy not let go now is looked at again later
+            log.warning("exporter jsonl: could not let go of a held rotated copy (%s)", describe_error(exc))
+
     def _write_queued(self, violations: list[Violation]) -> SendResult:
         try:
             self._write(violations)
@@ -361,6 +514,7 @@ class JsonlExporter:
                 self._queue.put(violations)
                 return
             written = self._write(violations)
+            self._settle_now_and_then()
             if written:
                 self._telemetry.exporter_sent.labels(self.name).inc(written)
             self._telemetry.exporter_last_success.labels(self.name).set_to_current_time()

@@ -127,3 +127,30 @@ def test_rotation_counts_and_logs_the_lines_it_removes(tmp_path: Path, caplog: p
     assert kept + removed == 200  # every line written is either still there or counted
     said = [r.getMessage() for r in caplog.records if "rotation removed" in r.getMessage()]
     assert said and all("violations" in line for line in said)
+
+
+def test_json_bodies_are_charged_for_what_decoding_them_holds(tmp_path: Path) -> None:
+    """Parsed OTLP/JSON holds many times its size: with other bytes in flight a JSON body is refused first."""
+    from tests.test_serve_http import otlp_json
+
+    config = serve_config(tmp_path, {"receivers": {"otlp": {"max_bytes_in_flight": "256KiB"}}})
+    held = make_request(*_payments("s-held", 300)).SerializeToString()
+    small = make_request(*_payments("s-small", 60))
+    as_json, as_protobuf = otlp_json(small), small.SerializeToString()
+    assert 10_000 < len(as_json) < 25_000
+    with running(config) as server:
+        url = f"http://127.0.0.1:{server.http_port}/v1/traces"
+        # Alone, a JSON body may use the whole budget.
+        assert httpx.post(url, content=as_json, headers={"Content-Type": "application/json"}).status_code == 200
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=5) as slow:
+            slow.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                         + f"Content-Length: {len(held)}\r\n\r\n".encode() + held[:40_000])
+            assert wait_for(lambda: server.budget.in_use >= 40_000)
+            json_answer = httpx.post(url, content=as_json, headers={"Content-Type": "application/json"})
+            protobuf_answer = httpx.post(url, content=as_protobuf, headers=PROTOBUF)
+            slow.sendall(held[40_000:])
+            assert slow.recv(4096).startswith(b"HTTP/1.1 200")
+        assert wait_for(lambda: server.budget.in_use == 0)
+    assert json_answer.status_code == 503
+    assert "max_bytes_in_flight" in json_answer.text
+    assert protobuf_answer.status_code == 200

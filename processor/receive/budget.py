@@ -43,6 +43,12 @@ class Claim:
         budget.in_use += size
         self.held += size
 
+    def give_back(self, size: int) -> None:
+        """Return ``size`` of the bytes taken (a transient cost, such as decoding, is over)."""
+        size = min(size, self.held)
+        self._budget.in_use -= size
+        self.held -= size
+
     def release(self) -> None:
         self._budget.in_use -= self.held
         self.held = 0

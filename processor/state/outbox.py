@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
 import orjson
@@ -275,6 +275,24 @@ class Dispatcher:
             if callable(listen):
                 listen(self._listener(name))
                 self._confirming.add(name)
+        # Until every pending row is handed over again at start, nothing counts as delivered.
+        self._resumed = False
+        for name, exporter in self._exporters.items():
+            hold_for = getattr(exporter, "hold_for", None)
+            if callable(hold_for):
+                # An exporter keeping copies (JSONL rotation) keeps those another exporter still owes.
+                others = self._confirming - {name}
+                hold_for(self._undelivered_by(others) if others else None)
+
+    def _undelivered_by(self, names: set[str]) -> Callable[[Collection[str]], set[str] | None]:
+        def undelivered(violation_ids: Collection[str]) -> set[str] | None:
+            """Those of the ids pending for one of ``names``: handed over and not confirmed."""
+            if not self._resumed:
+                return None  # the pending rows are not all handed over yet: nothing is known delivered
+            flights = [self._in_flight[name] for name in names]
+            # Membership tests only (never iterating a dict the evaluator thread changes).
+            return {vid for vid in violation_ids if any(vid in flight for flight in flights)}
+        return undelivered
 
     def _listener(self, name: str) -> Callable[[Sequence[str]], None]:
         def delivered(violation_ids: Sequence[str]) -> None:
@@ -288,12 +306,13 @@ class Dispatcher:
         if not rows:
             return
         now = time.monotonic()
-        for name, exporter in self._exporters.items():
-            if only is not None and name != only:
-                continue
+        targets = [(name, e) for name, e in self._exporters.items() if only is None or name == only]
+        # Every exporter's flight first: JSONL rotating while it writes these asks what the others owe.
+        for name, _ in targets:
             flight = self._in_flight[name]
             for seq, violation in rows:
                 flight[violation.violation_id] = (seq, now)
+        for name, exporter in targets:
             exporter.export([v for _, v in rows])
             if name not in self._confirming:
                 # It offers no confirmation: taken into its own hands is as delivered as it gets.
@@ -345,6 +364,7 @@ class Dispatcher:
 
     def resume(self) -> int:
         """Hand over every pending row (at start, after a rebuild); returns how many rows."""
+        self._resumed = False
         self._outbox.refresh_counts()
         total = 0
         for name in self._exporters:
@@ -357,6 +377,7 @@ class Dispatcher:
                 self.hand_over(rows, only=name)
                 total += len(rows)
                 after = rows[-1][0]
+        self._resumed = True
         return total
 
     def redeliver_overdue(self) -> int:

@@ -77,7 +77,7 @@ METRICS: tuple[MetricSpec, ...] = (
                ("kind",)),
 )
 
-# The values of ``state_failures``' label (processor.state.runner.failure_kind).
+# The values of ``state_failures``' label (processor.state.faults.failure_kind).
 STATE_FAILURE_KINDS: tuple[str, ...] = ("locked", "full", "corrupt", "read_only", "connection", "other")
 
 

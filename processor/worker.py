@@ -1,23 +1,26 @@
-"""Serve's evaluator worker on a durable store: journal, acknowledge, evaluate, record, deliver.
+"""Serve's evaluator worker: take requests, make them safe, acknowledge, evaluate, deliver.
 
-The same single thread that owns the engine owns the store's connection. Its loop:
+One worker for every state store. It is the single consumer of the queue and the only
+thread that touches the engine and the store. Its loop:
 
-1. **Journal.** Take every request waiting in the queue (up to ``max_group``, waiting
-   ``linger_s`` for more after the first), convert each (the partial-success answer
-   needs the rejected spans), and append them all to the inbox journal in one
-   transaction: one fsync for the group. A shared store claims the requests' sessions
-   in that transaction.
-2. **Acknowledge.** Each journaled request is answered success (with its partial
-   success); a request that could not be journaled (disk full, read-only, journal
-   full, its session held by another replica) is answered "retry later". Nothing is
-   acknowledged that is not on disk.
-3. **Evaluate.** Journaled entries go through the engine in order, up to
-   ``max_group`` per unit of work; one transaction then commits the engine's state,
+1. **Accept.** Take every request waiting in the queue (up to ``max_group``, waiting
+   ``linger_s`` for more after the first) and convert each (the partial-success answer
+   needs the rejected spans).
+2. **Make safe, acknowledge.** A store with a journal (sqlite, postgres) appends the
+   requests to its inbox journal in one transaction (one fsync for the group; a shared
+   store claims the requests' sessions there) and each journaled request is answered
+   success; one that could not be journaled (disk full, read-only, journal full, its
+   session held by another replica) is answered "retry later". Nothing is acknowledged
+   that is not on disk. The in-memory store has no journal: nothing survives the
+   process anyway, so a request is evaluated at once and answered once evaluated.
+3. **Evaluate.** Pending requests go through the engine in order, up to ``max_evaluate``
+   per unit of work; with a journal one transaction then commits the engine's state,
    deletes the entries from the journal and records the violations in the outbox.
-4. **Deliver.** New outbox rows are handed to the exporters; a row is deleted from
-   ``outbox_pending`` in a later transaction once its exporter confirms delivery (the
-   line written, the endpoint's acceptance), not when ``export()`` returns: a violation
-   still in an exporter's retry queue at a crash is handed over again at the restart.
+4. **Deliver.** With an outbox, new rows are handed to the exporters and a row is
+   deleted from ``outbox_pending`` in a later transaction once its exporter confirms
+   delivery (the line written, the endpoint's acceptance), not when ``export()``
+   returns: a violation still in an exporter's retry queue at a crash is handed over
+   again at the restart. Without one, violations go straight to the exporters.
 
 Every ``tick_interval`` the engine's clock moves (deadlines fire, in a unit of work of
 their own), overdue deliveries are handed over again, and a shared store renews its
@@ -34,9 +37,11 @@ Telemetry: ``durable_check_journal_depth``/``_bytes`` (the journal),
 ``durable_check_state_failures_total{kind}`` (every failed store operation, by
 :func:`failure_kind`).
 
-Shutdown evaluates what was journaled; the reordering buffer stays in the store (the
-spans it holds were acknowledged and are released after the restart), so there is no
-``finish()``.
+**Stop.** The worker evaluates what was accepted. With a journal, the reordering
+buffer stays in the store (the spans it holds were acknowledged and are released
+after the restart), so there is no ``finish()``; in memory the worker ends with the
+engine's serve-mode ``finish()``: the spans still buffered would otherwise be lost
+with the process.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ from processor.receive.otlp_common import (
 )
 from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
 from processor.records import Action, Malformed
-from processor.state.faults import JournalFull, SessionOwnedElsewhere, StateCorrupt
+from processor.state.base import StateStore
+from processor.state.faults import SessionOwnedElsewhere, failure_kind
 from processor.state.journal import Journal, JournalEntry, NewEntry
 from processor.state.outbox import Dispatcher, Outbox
 from processor.state.sqlstore import SqlStateStore
@@ -73,7 +79,6 @@ if TYPE_CHECKING:
     from processor.evaluate.model import RuleSet
     from processor.pipeline import Pipeline
     from processor.receive.forward import AnnotatingHold
-    from processor.state.base import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +90,7 @@ _UNHEALTHY_AFTER_FAILURE_S: Final = 5.0
 
 @dataclass(slots=True)
 class _Work:
-    """A journaled entry waiting for evaluation; ``items`` is None until converted (entries read back)."""
+    """A request waiting for evaluation; ``items`` is None until converted (journal entries read back)."""
 
     entry_id: int
     size: int
@@ -93,10 +98,14 @@ class _Work:
     # The request, for processor mode's forwarder (None for entries read back after a restart).
     request: Any = None
     entry: JournalEntry | None = None
+    # Without a journal the request is answered once evaluated: its pending acknowledgement.
+    batch: Batch | None = None
+    ack: Ack | None = None
+    failed: bool = False
 
 
 @dataclass(slots=True)
-class DurableOptions:
+class WorkerOptions:
     linger_s: float = 0.003
     max_group: int = 64
     # Journaled requests are evaluated together, up to this many or once the oldest waited this long:
@@ -118,38 +127,43 @@ class _Stats:
     groups: int = 0
 
 
-class DurableWorker:
-    """The single consumer of the queue on a durable store. Same surface as serve's in-memory worker."""
+class EvaluatorWorker:
+    """The single consumer of the queue and sole user of the pipeline and its store."""
 
     def __init__(
         self,
         queue: IngestQueue,
         pipeline: Pipeline,
-        store: SqlStateStore,
-        engine_factory: Callable[[SqlStateStore], Engine],
+        store: StateStore | None,
         *,
         converter: SpanConverter,
         hold: AnnotatingHold | None,
         tick_interval_s: float,
         telemetry: Telemetry,
-        options: DurableOptions | None = None,
+        options: WorkerOptions | None = None,
     ) -> None:
         self._queue = queue
         self._pipeline = pipeline
-        self._store = store
-        self._engine_factory = engine_factory
+        # The store with a journal and an outbox; None for the in-memory one, which has neither.
+        self._sql = store if isinstance(store, SqlStateStore) else None
+        self._engine_factory = pipeline.engine_factory
+        if self._sql is not None and self._engine_factory is None:
+            raise ValueError("a journaled store needs the pipeline's engine_factory to rebuild the engine")
         self._converter = converter
         self._hold = hold
         self._tick_interval_s = tick_interval_s
         self._telemetry = telemetry
-        self._options = options or DurableOptions()
+        self._options = options or WorkerOptions()
         self._journal: Journal | None = None
-        self._outbox = Outbox(store, [e.name for e in pipeline.exporters], telemetry=telemetry)
-        for kind in STATE_FAILURE_KINDS:
-            # Born at zero, so the first failure is an increase that rate() sees.
-            telemetry.state_failures.labels(kind)
-        self._dispatcher = Dispatcher(self._outbox, pipeline.exporters,
-                                      redeliver_after_s=self._options.redeliver_after_s)
+        self._outbox: Outbox | None = None
+        self._dispatcher: Dispatcher | None = None
+        if self._sql is not None:
+            self._outbox = Outbox(self._sql, [e.name for e in pipeline.exporters], telemetry=telemetry)
+            for kind in STATE_FAILURE_KINDS:
+                # Born at zero, so the first failure is an increase that rate() sees.
+                telemetry.state_failures.labels(kind)
+            self._dispatcher = Dispatcher(self._outbox, pipeline.exporters,
+                                          redeliver_after_s=self._options.redeliver_after_s)
         self._pending: collections.deque[_Work] = collections.deque()
         # When the oldest entry of _pending was journaled (or the last evaluation, if later).
         self._pending_since = 0.0
@@ -171,6 +185,11 @@ class DurableWorker:
         self._last_failure = float("-inf")
 
     @property
+    def journaled(self) -> bool:
+        """True when requests are journaled before they are acknowledged (a durable store)."""
+        return self._sql is not None
+
+    @property
     def healthy(self) -> bool:
         """False while the store refuses writes (and for a few seconds after): readiness reports it."""
         return time.monotonic() - self._last_failure > _UNHEALTHY_AFTER_FAILURE_S
@@ -184,7 +203,7 @@ class DurableWorker:
             raise self._start_error
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until the (closed) queue is empty and the journal evaluated (at most ``timeout_s``)."""
+        """Wait until the (closed) queue is empty and what was accepted evaluated (at most ``timeout_s``)."""
         self._deadline = time.monotonic() + timeout_s
         self._thread.join(timeout_s + 1.0)
         return not self._thread.is_alive()
@@ -195,10 +214,12 @@ class DurableWorker:
 
         Call it once the worker thread has stopped (it owns the store's connection), before the store closes.
         """
+        if self._sql is None or self._dispatcher is None:
+            return 0
         if self._thread.is_alive() or not self._dispatcher.has_confirmations():
             return 0
         try:
-            with self._store.unit():
+            with self._sql.unit():
                 count = self._dispatcher.confirmations_in_unit()
         except StateError as exc:
             self._count_failure(exc)
@@ -242,12 +263,20 @@ class DurableWorker:
                           exc_info=log.isEnabledFor(logging.DEBUG))
                 for batch in group:
                     _resolve(batch, error=ProcessingFailed("internal error; see the checker's log"))
-                if self._recover("an unexpected error") and self._poisoned is not None:
+                if self._sql is None:
+                    # Nothing to go back to: what was being evaluated is answered (above) and let go.
+                    for work in self._pending:
+                        if work.batch is not None:
+                            _resolve(work.batch, error=ProcessingFailed("internal error; see the checker's log"))
+                    self._pending.clear()
+                elif self._recover("an unexpected error") and self._poisoned is not None:
                     self._set_aside(self._poisoned)
                 self._poisoned = None
 
     def _resume(self) -> None:
-        store = self._store
+        store = self._sql
+        if store is None or self._dispatcher is None or self._outbox is None:
+            return
         self._journal = Journal(store, max_bytes=self._options.journal_max_bytes, telemetry=self._telemetry)
         seq = store.meta_get(_SEQ_KEY)
         self._seq = int(seq) if seq is not None else 0
@@ -276,14 +305,27 @@ class DurableWorker:
             after = entries[-1].id
 
     def _final(self) -> None:
-        """Record the confirmations that came in; the store keeps the rest for the next start."""
+        """In memory, release the reordering buffer; with a journal, record the confirmations that came in
+        (the store keeps the rest for the next start)."""
+        if self._sql is None:
+            self._finish_in_memory()
         if self._hold is not None:
             self._hold.release_all()
-        if self._dispatcher.has_confirmations():
-            with contextlib.suppress(StateError), self._store.unit():
+        if self._sql is not None and self._dispatcher is not None and self._dispatcher.has_confirmations():
+            with contextlib.suppress(StateError), self._sql.unit():
                 self._dispatcher.confirmations_in_unit()
 
-    # -- 1, 2: journal and acknowledge -------------------------------------------------------
+    def _finish_in_memory(self) -> None:
+        # The spans still buffered were acknowledged and would be lost with the process: evaluate them now.
+        try:
+            violations = self._pipeline.finish()
+        except Exception as exc:  # shutdown goes on; the error is logged
+            _log_failure("evaluating the held-back spans failed", exc)
+            return
+        if self._hold is not None:
+            self._hold.note(violations)
+
+    # -- 1, 2: accept, make safe and acknowledge ------------------------------------------------
 
     def _evaluation_due(self) -> bool:
         if not self._pending or time.monotonic() < self._broken_until:
@@ -307,16 +349,9 @@ class DurableWorker:
             group.append(more)
         return group
 
-    def _accept(self, group: list[Batch]) -> None:
-        if time.monotonic() > self._deadline:
-            for batch in group:
-                _resolve(batch, error=ProcessingFailed("the checker stopped before taking this request"))
-            return
-        if self._store.stale and not self._recover():
-            self._refuse_all(group, "the checker's state store is failing")
-            return
-        assert self._journal is not None
-        converted: list[tuple[Batch, list[Action | Malformed], list[Malformed], NewEntry]] = []
+    def _convert(self, group: list[Batch]) -> list[tuple[Batch, list[Action | Malformed], list[Malformed], int]]:
+        """Each request's items, rejected spans and first seq; a request that fails to convert is answered."""
+        converted: list[tuple[Batch, list[Action | Malformed], list[Malformed], int]] = []
         seq = self._seq
         for batch in group:
             try:
@@ -324,27 +359,49 @@ class DurableWorker:
             except Exception as exc:  # one bad request must not stop the others
                 log.error("converting a request of %d spans failed: %s", batch.span_count, type(exc).__name__,
                           exc_info=log.isEnabledFor(logging.DEBUG))
+                if self._hold is not None:
+                    # Checking failed, forwarding need not: the spans still go downstream.
+                    self._hold.add(batch.request, time.monotonic())
                 # Not retryable: the same request would fail the same way. Said in the partial success.
                 _resolve(batch, Ack(batch.span_count, "internal error while converting these spans; see the "
                                     "checker's log"))
                 continue
             undecoded = [Malformed(message=p, origin=batch.origin, source="span") for p in batch.decode_problems]
             items: list[Action | Malformed] = [*result.actions, *result.rejected, *undecoded]
+            converted.append((batch, items, result.rejected, seq))
+            seq += len(result.actions)
+        return converted
+
+    def _accept(self, group: list[Batch]) -> None:
+        if time.monotonic() > self._deadline:
+            for batch in group:
+                _resolve(batch, error=ProcessingFailed("the checker stopped before taking this request"))
+            return
+        if self._sql is None:
+            self._accept_in_memory(group)
+            return
+        store = self._sql
+        if store.stale and not self._recover():
+            self._refuse_all(group, "the checker's state store is failing")
+            return
+        assert self._journal is not None
+        converted: list[tuple[Batch, list[Action | Malformed], list[Malformed], NewEntry]] = []
+        next_seq = self._seq
+        for batch, items, rejected, seq in self._convert(group):
             sessions = frozenset(i.session_id for i in items if i.session_id)
             # The bytes as received when the receiver kept them (protobuf), else serialized once here (JSON).
             body = batch.body if batch.body is not None else batch.request.SerializeToString()
             entry = NewEntry(body, batch.protocol, batch.origin, batch.received_ns,
                              seq, list(batch.decode_problems), sessions)
-            seq += len(result.actions)
-            converted.append((batch, items, result.rejected, entry))
-        next_seq = seq
+            next_seq = seq + sum(1 for i in items if isinstance(i, Action))
+            converted.append((batch, items, rejected, entry))
 
         def admit(entry: NewEntry) -> StateError | None:
-            return self._store.admit(entry.session_ids)
+            return store.admit(entry.session_ids)
 
         def save_seq() -> None:
             # The seq counter goes with the entries that used it: a replay converts with the same numbers.
-            self._store.meta_put(_SEQ_KEY, str(next_seq))
+            store.meta_put(_SEQ_KEY, str(next_seq))
 
         try:
             outcome = self._journal.append([c[3] for c in converted], admit, also=[save_seq])
@@ -353,7 +410,7 @@ class DurableWorker:
             self._last_failure = time.monotonic()
             log.error("journaling %d request(s) failed; the senders are asked to retry: %s", len(group), exc)
             self._refuse_all(group, f"the checker's state store failed: {exc}")
-            self._store.stale = False  # nothing of the engine was touched: no rebuild needed
+            store.stale = False  # nothing of the engine was touched: no rebuild needed
             return
         self._seq = next_seq
         self.stats.groups += 1
@@ -372,13 +429,24 @@ class DurableWorker:
             self._pending.append(_Work(entry_id, len(entry.body), items, batch.request))
             _resolve(batch, Ack(unconvertible, partial_success_message(rejected, batch.decode_problems)))
             self.processed_spans += batch.span_count
-        if self._store.takeover_pending():
+        if store.takeover_pending():
             # Their state and timers as their last owner committed them (nothing of this replica is pending).
             try:
-                self._store.reset()
+                store.reset()
                 self._rebuild("sessions moved to this replica")
             except StateError as exc:
                 self._failed("loading sessions moved to this replica", exc)
+
+    def _accept_in_memory(self, group: list[Batch]) -> None:
+        """No journal: nothing outlives the process, so a request is evaluated at once and answered after."""
+        for batch, items, rejected, seq in self._convert(group):
+            self._seq = seq + sum(1 for i in items if isinstance(i, Action))
+            unconvertible = rejected_span_count(rejected, batch.decode_problems)
+            ack = Ack(unconvertible, partial_success_message(rejected, batch.decode_problems))
+            self._pending.append(_Work(0, 0, items, batch.request, batch=batch, ack=ack))
+        self._pending_since = time.monotonic()
+        while self._pending:
+            self._evaluate_some()
 
     def _refuse_all(self, group: Sequence[Batch], message: str) -> None:
         for batch in group:
@@ -390,19 +458,23 @@ class DurableWorker:
 
     # -- 3, 4: evaluate, record, deliver -------------------------------------------------------
 
+    def _unit(self) -> contextlib.AbstractContextManager[None]:
+        """One transaction for the engine's state, the journal and the outbox; nothing to group in memory."""
+        return self._sql.unit() if self._sql is not None else contextlib.nullcontext()
+
     def _evaluate_some(self) -> None:
-        assert self._journal is not None
         limit = 1 if self._isolate_left else self._options.max_evaluate
         chunk = [self._pending[i] for i in range(min(limit, len(self._pending)))]
         fresh: list[tuple[int, Violation]] = []
         found: list[list[Violation]] = []
         try:
-            with self._store.unit():
+            with self._unit():
                 for work in chunk:
                     found.append(self._evaluate(work))
-                self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
-                self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
-                self._dispatcher.confirmations_in_unit()
+                if self._journal is not None and self._outbox is not None and self._dispatcher is not None:
+                    self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
+                    self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
+                    self._dispatcher.confirmations_in_unit()
         except StateError as exc:
             self._failed("committing evaluated requests", exc)
             if isinstance(exc, SessionOwnedElsewhere) and exc.moved:
@@ -424,22 +496,42 @@ class DurableWorker:
         self._pending_since = time.monotonic()
         self.stats.evaluated += len(chunk)
         self._succeeded()
-        self._dispatcher.hand_over(fresh)
-        self._pipeline.hand_resolutions()
-        if self._hold is not None:
-            now = time.monotonic()
-            for work, violations in zip(chunk, found, strict=True):
+        if self._dispatcher is not None:
+            self._dispatcher.hand_over(fresh)
+            self._pipeline.hand_resolutions()
+        now = time.monotonic()
+        for work, violations in zip(chunk, found, strict=True):
+            if self._dispatcher is None:
+                # No outbox: each request's violations go out, and its resolutions after them.
+                self._pipeline.export(violations)
+                self._pipeline.hand_resolutions()
+                self._answer(work)
+            if self._hold is not None:
                 # Held first: condition-rule violations of its own spans come back from its own evaluation.
                 if work.request is not None:
                     self._hold.add(work.request, now)
                 self._hold.note(violations)
 
+    def _answer(self, work: _Work) -> None:
+        """The acknowledgement of a request evaluated without a journal."""
+        batch = work.batch
+        if batch is None:
+            return
+        if work.failed:
+            # Not retryable: the same request would fail the same way. Said in the partial success.
+            _resolve(batch, Ack(batch.span_count, "internal error while evaluating these spans; see the checker's log"))
+            return
+        if work.ack is not None and work.ack.rejected_spans:
+            self._telemetry.spans_rejected.labels(batch.protocol, "unconvertible").inc(work.ack.rejected_spans)
+        self.processed_spans += batch.span_count
+        _resolve(batch, work.ack)
+
     def _set_aside(self, work: _Work) -> None:
         """Drop a journaled request that cannot be evaluated, so the rest go on; counted and logged."""
-        assert self._journal is not None
+        assert self._journal is not None and self._sql is not None
         journal = self._journal
         try:
-            with self._store.unit():
+            with self._sql.unit():
                 journal.done_in_unit([(work.entry_id, work.size)])
         except StateError as exc:
             self._failed("setting aside a request that cannot be evaluated", exc)
@@ -455,6 +547,7 @@ class DurableWorker:
 
     def _hand_off(self, moved: dict[str, str]) -> None:
         """Requests for sessions another replica took over (this one stalled past its lease) go to that replica."""
+        assert self._sql is not None
         by_owner: dict[str, list[int]] = {}
         for work in self._pending:
             items = work.items if work.items is not None else self._read_back(work)
@@ -464,7 +557,7 @@ class DurableWorker:
                 by_owner.setdefault(min(owners), []).append(work.entry_id)
         try:
             for owner, ids in by_owner.items():
-                self._store.move_journal_entries(ids, owner)
+                self._sql.move_journal_entries(ids, owner)
         except StateError as exc:
             log.error("handing requests over to the sessions' new owner failed: %s", exc)
             return
@@ -483,8 +576,8 @@ class DurableWorker:
         except StateError:
             raise
         except Exception as exc:  # one bad request must not stop the checker; it is done (not retried forever)
-            log.error("evaluating a journaled request failed: %s", type(exc).__name__,
-                      exc_info=log.isEnabledFor(logging.DEBUG))
+            _log_failure(f"evaluating a request of {len(items)} items failed", exc)
+            work.failed = True
             return []
 
     def _read_back(self, work: _Work) -> list[Action | Malformed]:
@@ -503,13 +596,18 @@ class DurableWorker:
 
     def _tick(self) -> None:
         self._ticks += 1
-        if self._store.stale and not self._recover():
+        if self._sql is None:
+            self._tick_in_memory()
+            return
+        store = self._sql
+        assert self._outbox is not None and self._dispatcher is not None
+        if store.stale and not self._recover():
             return
         now = time.monotonic()
         if now - self._last_maintain >= self._options.maintain_interval_s:
             self._last_maintain = now
             try:
-                if self._store.maintain():
+                if store.maintain():
                     self._recover("work adopted from a replica that stopped")
                     self._dispatcher.resume()
             except StateError as exc:
@@ -524,7 +622,7 @@ class DurableWorker:
             return
         fresh: list[tuple[int, Violation]] = []
         try:
-            with self._store.unit():
+            with store.unit():
                 violations = self._pipeline.engine.tick(time.time_ns())
                 self._outbox.add_in_unit(violations, fresh.extend)
                 self._dispatcher.confirmations_in_unit()
@@ -544,6 +642,15 @@ class DurableWorker:
             log.error("reading undelivered violations failed: %s", exc)
         if self._hold is not None:
             self._hold.note(v for _, v in fresh)
+
+    def _tick_in_memory(self) -> None:
+        try:
+            violations = self._pipeline.tick(time.time_ns())
+        except Exception as exc:  # the clock must keep running; the error is logged
+            _log_failure("evaluating deadlines failed", exc)
+            return
+        if self._hold is not None:
+            self._hold.note(violations)
 
     # -- faults ----------------------------------------------------------------------------------
 
@@ -568,42 +675,31 @@ class DurableWorker:
 
     def _recover(self, why: str = "a failed commit") -> bool:
         """Back to the last committed state: reload timers, rebuild the engine, re-read the journal."""
+        if self._sql is None:
+            return False
         try:
-            self._store.reset()
+            self._sql.reset()
             self._rebuild(why)
             self._reload_journal()
             self.stats.recoveries += 1
             return True
         except StateError as exc:
             self._count_failure(exc)
-            self._store.stale = True
+            self._sql.stale = True
             log.error("the state store cannot be read back yet: %s", exc)
             return False
 
     def _rebuild(self, why: str) -> None:
+        assert self._sql is not None and self._engine_factory is not None
         log.info("rebuilding the engine from the state store (%s)", why)
-        self._pipeline.engine = self._engine_factory(self._store)
+        self._pipeline.engine = self._engine_factory(self._sql)
         if self._journal is not None:
             self._journal.refresh()
 
 
-def failure_kind(exc: StateError) -> str | None:
-    """The ``durable_check_state_failures`` kind of a store failure (the messages of processor.state.faults);
-    None for a refusal that is no failure of the store (journal full, a session held by another replica)."""
-    if isinstance(exc, JournalFull | SessionOwnedElsewhere):
-        return None
-    if isinstance(exc, StateCorrupt):
-        return "corrupt"
-    text = str(exc)
-    if "disk full" in text:
-        return "full"
-    if "locked by another process" in text or "lock on the PostgreSQL server" in text:
-        return "locked"
-    if "read-only" in text:
-        return "read_only"
-    if "lost the connection" in text:
-        return "connection"
-    return "other"
+def _log_failure(what: str, exc: Exception) -> None:
+    # The exception's type only: its message may quote a record. The traceback only at debug level.
+    log.error("%s: %s", what, type(exc).__name__, exc_info=log.isEnabledFor(logging.DEBUG))
 
 
 def _resolve(batch: Batch, ack: Ack | None = None, error: Exception | None = None) -> None:

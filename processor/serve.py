@@ -146,7 +146,8 @@ class Server:
             hold=hold,
             tick_interval_s=float(config.evaluate.tick_interval),
             telemetry=telemetry,
-            options=WorkerOptions(journal_max_bytes=int(config.state.journal_max_size)),
+            options=WorkerOptions(journal_max_bytes=int(config.state.journal_max_size),
+                                  max_stall_s=float(config.evaluate.max_stall)),
         )
         self._started = False
         self._draining = False
@@ -196,7 +197,7 @@ class Server:
         cfg = self.config.receivers.otlp.http
         sock = _bind(cfg.endpoint)
         self.http_port = sock.getsockname()[1]
-        app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready)
+        app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready, alive=self.worker.alive)
         tls: dict[str, Any] = {}
         if cfg.tls.enabled:
             tls = {"ssl_certfile": cfg.tls.cert_file, "ssl_keyfile": cfg.tls.key_file}

@@ -37,6 +37,19 @@ Telemetry: ``durable_check_journal_depth``/``_bytes`` (the journal),
 ``durable_check_state_failures_total{kind}`` (every failed store operation, by
 :func:`failure_kind`).
 
+**Nothing wedges the evaluator.** A request whose evaluation raises is answered (in
+memory) or done (journaled) and counted; one whose commit fails the same way every time
+is narrowed down and set aside. A request that stops the process while it is evaluated
+(a hang the liveness probe ends, a crash) comes back from the journal at every start:
+so what was journaled before a start is evaluated under a durable marker naming the
+entries in progress. When a start finds the marker still pointing at pending entries,
+the previous run died evaluating them: they are evaluated one at a time (each under its
+own marker), and an entry that was the only one in progress ``max_tries`` times is set
+aside. Steady state writes no marker. The loop's heartbeat feeds :meth:`alive`: an
+evaluator stuck for ``max_stall_s`` makes ``/healthz`` fail, so the process is
+restarted and the marker does the rest. Every set-aside request is counted in
+``durable_check_requests_set_aside_total{reason}`` and logged without its content.
+
 **Stop.** The worker evaluates what was accepted. With a journal, the reordering
 buffer stays in the store (the spans it holds were acknowledged and are released
 after the restart), so there is no ``finish()``; in memory the worker ends with the
@@ -71,7 +84,7 @@ from processor.state.faults import SessionOwnedElsewhere, failure_kind
 from processor.state.journal import Journal, JournalEntry, NewEntry
 from processor.state.outbox import Dispatcher, Outbox
 from processor.state.sqlstore import SqlStateStore
-from processor.telemetry import STATE_FAILURE_KINDS, Telemetry
+from processor.telemetry import SET_ASIDE_REASONS, STATE_FAILURE_KINDS, Telemetry
 from processor.violations import Violation
 
 if TYPE_CHECKING:
@@ -85,6 +98,8 @@ log = logging.getLogger(__name__)
 _MAX_BACKOFF_S: Final = 5.0
 _PRUNE_EVERY_TICKS: Final = 60
 _SEQ_KEY: Final = "next_seq"
+# Meta key (per replica) naming the journal entries being evaluated after a start: "first,last,tries".
+_EVALUATING_KEY: Final = "evaluating:"
 _UNHEALTHY_AFTER_FAILURE_S: Final = 5.0
 
 
@@ -115,6 +130,10 @@ class WorkerOptions:
     journal_max_bytes: int = 256 * 1024 * 1024
     redeliver_after_s: float = 60.0
     maintain_interval_s: float = 1.0
+    # An entry the process died evaluating, alone, this many times is set aside.
+    max_tries: int = 2
+    # The loop not coming round for this long (one evaluation hanging) makes alive() false.
+    max_stall_s: float = 120.0
 
 
 @dataclass(slots=True)
@@ -164,7 +183,14 @@ class EvaluatorWorker:
                 telemetry.state_failures.labels(kind)
             self._dispatcher = Dispatcher(self._outbox, pipeline.exporters,
                                           redeliver_after_s=self._options.redeliver_after_s)
+        for reason in SET_ASIDE_REASONS:
+            telemetry.requests_set_aside.labels(reason)
         self._pending: collections.deque[_Work] = collections.deque()
+        # Entries up to this id were journaled before this start: evaluated under the durable marker.
+        self._replay_until = 0
+        # The marker a start found still naming pending entries: (first id, last id, tries).
+        self._suspect: tuple[int, int, int] | None = None
+        self._heartbeat = time.monotonic()
         # When the oldest entry of _pending was journaled (or the last evaluation, if later).
         self._pending_since = 0.0
         self._seq = 0
@@ -188,6 +214,15 @@ class EvaluatorWorker:
     def journaled(self) -> bool:
         """True when requests are journaled before they are acknowledged (a durable store)."""
         return self._sql is not None
+
+    def alive(self) -> tuple[bool, str]:
+        """False while one step of the evaluator has not come round for ``max_stall_s`` (liveness)."""
+        if not self._thread.is_alive():
+            return True, ""
+        stalled = time.monotonic() - self._heartbeat
+        if stalled > self._options.max_stall_s:
+            return False, f"the evaluator has been stuck for {stalled:.0f}s"
+        return True, ""
 
     @property
     def healthy(self) -> bool:
@@ -239,6 +274,7 @@ class EvaluatorWorker:
         next_tick = time.monotonic() + self._tick_interval_s
         while True:
             group: list[Batch] = []
+            self._heartbeat = time.monotonic()
             try:
                 wait = max(0.0, next_tick - time.monotonic())
                 if self._pending:
@@ -270,7 +306,7 @@ class EvaluatorWorker:
                             _resolve(work.batch, error=ProcessingFailed("internal error; see the checker's log"))
                     self._pending.clear()
                 elif self._recover("an unexpected error") and self._poisoned is not None:
-                    self._set_aside(self._poisoned)
+                    self._set_aside(self._poisoned, "commit_failed")
                 self._poisoned = None
 
     def _resume(self) -> None:
@@ -287,6 +323,8 @@ class EvaluatorWorker:
             self._rebuild("work adopted from a replica that stopped")
         self._reload_journal()
         if self._pending:
+            self._replay_until = self._pending[-1].entry_id
+            self._suspect = self._read_marker()
             log.info("resuming: %d request(s) accepted before the last stop are evaluated first", len(self._pending))
             self.stats.replayed += len(self._pending)
         handed = self._dispatcher.resume()
@@ -463,8 +501,12 @@ class EvaluatorWorker:
         return self._sql.unit() if self._sql is not None else contextlib.nullcontext()
 
     def _evaluate_some(self) -> None:
+        self._heartbeat = time.monotonic()
         limit = 1 if self._isolate_left else self._options.max_evaluate
-        chunk = [self._pending[i] for i in range(min(limit, len(self._pending)))]
+        guarded = self._guard_replay([self._pending[i] for i in range(min(limit, len(self._pending)))])
+        if guarded is None:
+            return
+        chunk, replay_ends = guarded
         fresh: list[tuple[int, Violation]] = []
         found: list[list[Violation]] = []
         try:
@@ -475,6 +517,8 @@ class EvaluatorWorker:
                     self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
                     self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
                     self._dispatcher.confirmations_in_unit()
+                    if replay_ends:
+                        self._clear_marker_in_unit()
         except StateError as exc:
             self._failed("committing evaluated requests", exc)
             if isinstance(exc, SessionOwnedElsewhere) and exc.moved:
@@ -491,6 +535,9 @@ class EvaluatorWorker:
             raise
         if self._isolate_left:
             self._isolate_left -= 1
+        if replay_ends:
+            self._replay_until = 0
+            self._suspect = None
         for _ in chunk:
             self._pending.popleft()
         self._pending_since = time.monotonic()
@@ -512,6 +559,58 @@ class EvaluatorWorker:
                     self._hold.add(work.request, now)
                 self._hold.note(violations)
 
+    def _guard_replay(self, chunk: list[_Work]) -> tuple[list[_Work], bool] | None:
+        """The part of ``chunk`` to evaluate now, and whether it ends the entries journaled before this start.
+
+        Those entries are evaluated under a durable marker (written first, in its own
+        transaction), so that the next start knows which of them a dead process was
+        evaluating. None when nothing is to be evaluated now (an entry set aside, a failed write).
+        """
+        if self._sql is None or not chunk or chunk[0].entry_id > self._replay_until:
+            return chunk, False
+        head = chunk[0]
+        suspect = self._suspect
+        if suspect is not None and suspect[0] <= head.entry_id <= suspect[1]:
+            # The last process died evaluating these: one at a time, to find the one that kills it.
+            tries = suspect[2] + 1 if suspect[0] == suspect[1] == head.entry_id else 1
+            if suspect[0] == suspect[1] == head.entry_id and suspect[2] >= self._options.max_tries:
+                self._set_aside(head, "crashed_evaluating")
+                self._suspect = None
+                return None
+            chunk = [head]
+        else:
+            chunk = [w for w in chunk if w.entry_id <= self._replay_until]
+            tries = 1
+        marker = f"{chunk[0].entry_id},{chunk[-1].entry_id},{tries}"
+        store = self._sql
+        try:
+            store.write([lambda: store.meta_put(_EVALUATING_KEY + store.replica_id, marker)])
+        except StateError as exc:
+            self._failed("marking the requests being evaluated", exc)
+            return None
+        return chunk, chunk[-1].entry_id >= self._replay_until
+
+    def _read_marker(self) -> tuple[int, int, int] | None:
+        assert self._sql is not None
+        found = self._sql.meta_get(_EVALUATING_KEY + self._sql.replica_id)
+        if found is None:
+            return None
+        try:
+            first, last, tries = (int(part) for part in found.split(","))
+        except ValueError:
+            return None
+        if not any(first <= w.entry_id <= last for w in self._pending):
+            return None  # those entries were committed: nobody died evaluating them
+        log.warning("the last run stopped while evaluating journaled requests %d..%d (try %d); they are evaluated "
+                    "one at a time", first, last, tries)
+        return first, last, tries
+
+    def _clear_marker_in_unit(self) -> None:
+        store = self._sql
+        assert store is not None
+        key = _EVALUATING_KEY + store.replica_id
+        store.in_unit(lambda: store.execute("DELETE FROM meta WHERE key = ?", (key,)))
+
     def _answer(self, work: _Work) -> None:
         """The acknowledgement of a request evaluated without a journal."""
         batch = work.batch
@@ -526,7 +625,7 @@ class EvaluatorWorker:
         self.processed_spans += batch.span_count
         _resolve(batch, work.ack)
 
-    def _set_aside(self, work: _Work) -> None:
+    def _set_aside(self, work: _Work, reason: str) -> None:
         """Drop a journaled request that cannot be evaluated, so the rest go on; counted and logged."""
         assert self._journal is not None and self._sql is not None
         journal = self._journal
@@ -540,10 +639,12 @@ class EvaluatorWorker:
         self._isolate_left = max(0, self._isolate_left - 1)
         items = work.items if work.items is not None else self._read_back(work)
         spans = sum(1 for item in items if isinstance(item, Action))
-        if self._telemetry is not None:
-            self._telemetry.spans_rejected.labels("journal", "evaluation_failed").inc(spans)
-        log.error("a journaled request (entry %d) breaks evaluation and was set aside so that the others go on; "
-                  "run with debug logging to see why", work.entry_id)
+        self._telemetry.spans_rejected.labels("journal", "evaluation_failed").inc(spans)
+        self._telemetry.requests_set_aside.labels(reason).inc()
+        why = ("the process stopped while evaluating it on every try" if reason == "crashed_evaluating"
+               else "it breaks evaluation")
+        log.error("a journaled request (entry %d, %d spans) was set aside so that the others go on: %s (%s); "
+                  "run with debug logging to see why", work.entry_id, spans, why, reason)
 
     def _hand_off(self, moved: dict[str, str]) -> None:
         """Requests for sessions another replica took over (this one stalled past its lease) go to that replica."""
@@ -576,7 +677,8 @@ class EvaluatorWorker:
         except StateError:
             raise
         except Exception as exc:  # one bad request must not stop the checker; it is done (not retried forever)
-            _log_failure(f"evaluating a request of {len(items)} items failed", exc)
+            _log_failure(f"evaluating a request of {len(items)} items failed; it is set aside", exc)
+            self._telemetry.requests_set_aside.labels("evaluation_failed").inc()
             work.failed = True
             return []
 

@@ -108,8 +108,11 @@ def build_app(
     telemetry: Telemetry,
     accepting: Callable[[], bool],
     ready: Callable[[], tuple[bool, str]],
+    *,
+    alive: Callable[[], tuple[bool, str]] | None = None,
 ) -> FastAPI:
-    """The receiver's ASGI app. ``accepting``: new data may come in; ``ready``: (ready, why not)."""
+    """The receiver's ASGI app. ``accepting``: new data may come in; ``ready``: (ready, why not);
+    ``alive``: (alive, why not), false when the process must be restarted (a stuck evaluator)."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     limit = int(cfg.max_request_body_size)
     token = cfg.auth.bearer_token
@@ -123,6 +126,9 @@ def build_app(
 
     @app.get("/healthz")
     async def healthz() -> Response:
+        is_alive, why = alive() if alive is not None else (True, "")
+        if not is_alive:
+            return Response(orjson.dumps({"status": "stuck", "reason": why}), 503, media_type=JSON)
         return Response(orjson.dumps({"status": "alive"}), 200, media_type=JSON)
 
     @app.get("/readyz")

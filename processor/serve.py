@@ -147,7 +147,8 @@ class Server:
             tick_interval_s=float(config.evaluate.tick_interval),
             telemetry=telemetry,
             options=WorkerOptions(journal_max_bytes=int(config.state.journal_max_size),
-                                  max_stall_s=float(config.evaluate.max_stall)),
+                                  max_stall_s=float(config.evaluate.max_stall),
+                                  flush_window_on_stop=config.evaluate.flush_window_on_stop),
         )
         self._started = False
         self._draining = False
@@ -258,7 +259,7 @@ class Server:
         if self.store is not None and drained:
             # Only once the worker is done with it: it is the store's single user.
             self.store.close()
-        logger.info("stopped; %d spans evaluated", self.worker.processed_spans)
+        logger.debug("shutdown: done")
 
 
 def _with_port(endpoint: str, port: int) -> str:

@@ -134,6 +134,10 @@ class WorkerOptions:
     max_tries: int = 2
     # The loop not coming round for this long (one evaluation hanging) makes alive() false.
     max_stall_s: float = 120.0
+    # At stop, evaluate the spans in the reordering window instead of keeping them for the next start.
+    flush_window_on_stop: bool = False
+    # The status line: once this often while anything changed, and at stop.
+    status_interval_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -191,6 +195,9 @@ class EvaluatorWorker:
         # The marker a start found still naming pending entries: (first id, last id, tries).
         self._suspect: tuple[int, int, int] | None = None
         self._heartbeat = time.monotonic()
+        self._violations_by_severity: collections.Counter[str] = collections.Counter()
+        self._changed = False
+        self._last_status = time.monotonic()
         # When the oldest entry of _pending was journaled (or the last evaluation, if later).
         self._pending_since = 0.0
         self._seq = 0
@@ -287,6 +294,8 @@ class EvaluatorWorker:
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_interval_s
                     self._tick()
+                    if self._changed and time.monotonic() - self._last_status >= self._options.status_interval_s:
+                        self._log_status()
                 if self._queue.drained() and (not self._pending or time.monotonic() > self._deadline):
                     self._final()
                     return
@@ -344,14 +353,59 @@ class EvaluatorWorker:
 
     def _final(self) -> None:
         """In memory, release the reordering buffer; with a journal, record the confirmations that came in
-        (the store keeps the rest for the next start)."""
+        (the store keeps the rest for the next start, unless told to evaluate the window now)."""
         if self._sql is None:
             self._finish_in_memory()
+        elif self._options.flush_window_on_stop and not self._pending:
+            self._flush_window()
         if self._hold is not None:
             self._hold.release_all()
         if self._sql is not None and self._dispatcher is not None and self._dispatcher.has_confirmations():
             with contextlib.suppress(StateError), self._sql.unit():
                 self._dispatcher.confirmations_in_unit()
+        self._log_status(stopping=True)
+
+    def _flush_window(self) -> None:
+        """Evaluate what the reordering window holds, as the end of the input, in one unit of work."""
+        assert self._sql is not None and self._outbox is not None and self._dispatcher is not None
+        fresh: list[tuple[int, Violation]] = []
+        try:
+            with self._sql.unit():
+                violations = self._pipeline.engine.finish()
+                self._outbox.add_in_unit(violations, fresh.extend)
+        except StateError as exc:
+            self._count_failure(exc)
+            log.error("evaluating the reordering window at stop failed; it is kept for the next start: %s", exc)
+            return
+        self._note(violations)
+        self._dispatcher.hand_over(fresh)
+        self._pipeline.hand_resolutions()
+        if self._hold is not None:
+            self._hold.note(violations)
+
+    def _note(self, violations: Sequence[Violation]) -> None:
+        for violation in violations:
+            self._violations_by_severity[violation.severity] += 1
+            self._changed = True
+
+    def _log_status(self, *, stopping: bool = False) -> None:
+        """One line: what was taken in and found, and what the reordering window still holds."""
+        self._last_status = time.monotonic()
+        self._changed = False
+        load = self._pipeline.engine.load()
+        found = ", ".join(f"{n} {severity}" for severity, n in sorted(self._violations_by_severity.items())) or "none"
+        if not load.window_spans:
+            window = "nothing waiting in the reordering window"
+        elif stopping:
+            window = (f"{load.window_spans} spans waiting in the reordering window are kept in the state and "
+                      "evaluated after the next start (evaluate.flush_window_on_stop evaluates them at stop)")
+        else:
+            due = load.window_release_ns
+            when = (f"evaluated by {time.strftime('%H:%M:%SZ', time.gmtime(due / 1e9))} "
+                    f"(in {max(0.0, due / 1e9 - time.time()):.0f}s)") if due is not None else "evaluated as more arrive"
+            window = f"{load.window_spans} spans waiting in the reordering window, {when}"
+        log.info("%s: %d spans received, %d actions, %d sessions, violations: %s; %s",
+                 "stopped" if stopping else "status", self.processed_spans, load.actions, load.sessions, found, window)
 
     def _finish_in_memory(self) -> None:
         # The spans still buffered were acknowledged and would be lost with the process: evaluate them now.
@@ -360,6 +414,7 @@ class EvaluatorWorker:
         except Exception as exc:  # shutdown goes on; the error is logged
             _log_failure("evaluating the held-back spans failed", exc)
             return
+        self._note(violations)
         if self._hold is not None:
             self._hold.note(violations)
 
@@ -533,6 +588,9 @@ class EvaluatorWorker:
             else:
                 self._isolate_left = len(chunk)
             raise
+        for violations in found:
+            self._note(violations)
+        self._changed = True
         if self._isolate_left:
             self._isolate_left -= 1
         if replay_ends:
@@ -734,6 +792,7 @@ class EvaluatorWorker:
             self._failed("committing fired deadlines", exc)
             return
         self._succeeded()
+        self._note(violations)
         self._dispatcher.hand_over(fresh)
         self._pipeline.hand_resolutions()
         try:
@@ -751,6 +810,7 @@ class EvaluatorWorker:
         except Exception as exc:  # the clock must keep running; the error is logged
             _log_failure("evaluating deadlines failed", exc)
             return
+        self._note(violations)
         if self._hold is not None:
             self._hold.note(violations)
 

@@ -379,6 +379,14 @@ _COUNTERS: Final = (
 )
 
 
+class EngineLoad(NamedTuple):
+    sessions: int
+    actions: int
+    # Spans in the reordering window, and (serve) the wall time in ns by which the clock releases them all.
+    window_spans: int
+    window_release_ns: int | None
+
+
 class EngineState(EngineStateLike):
     """Watermark, counters and the reordering buffer: the engine-wide part of the state."""
 
@@ -1646,6 +1654,15 @@ class Engine:
             end=end,
             waits_resolved_late=session.fired.resolved if session.fired is not None else 0,
         )
+
+    def load(self) -> EngineLoad:
+        """What the engine holds now (serve's status line): sessions, actions seen, the reordering window."""
+        state = self._state
+        release_by = None
+        if self._serve and state.received:
+            # The newest span leaves the window once it has waited the allowed lateness on the clock.
+            release_by = state.received[-1][0] + self._lateness_ns
+        return EngineLoad(len(self._sessions), state.counters["actions_seen"], len(state.buffer), release_by)
 
     def summary(self) -> EngineSummary:
         """Per session (open ones, then ended ones still remembered) and totals."""

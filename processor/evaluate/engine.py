@@ -400,6 +400,10 @@ class EngineState(EngineStateLike):
         self.buffer: list[_Buffered] = []
         # Serve: (received wall time, event time) of buffered spans in arrival order.
         self.received: deque[tuple[int, int]] = deque()
+        # Buffer changes since a durable store last wrote them (None: nobody asked, nothing kept):
+        # spans buffered, and arrival numbers of spans released.
+        self.added: list[_Buffered] | None = None
+        self.released: list[int] | None = None
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -731,9 +735,10 @@ class Engine:
         route = self._accept(action, session, out)
         state.arrivals += 1
         # tuple.__new__ skips the Python-level __new__ of a NamedTuple: this runs for every span.
-        heapq.heappush(
-            state.buffer, tuple.__new__(_Buffered, (t, action.seq, state.arrivals, action, self._now_ns, True, route))
-        )
+        item = tuple.__new__(_Buffered, (t, action.seq, state.arrivals, action, self._now_ns, True, route))
+        heapq.heappush(state.buffer, item)
+        if state.added is not None:
+            state.added.append(item)
         if self._serve:
             state.received.append((self._now_ns, t))
         session.buffered += 1
@@ -832,6 +837,8 @@ class Engine:
 
     def _release_one(self, out: list[Violation]) -> int:
         item = heapq.heappop(self._state.buffer)
+        if self._state.released is not None:
+            self._state.released.append(item.arrival)
         action = item.action
         session_id = action.session_id
         found = self._sessions.get(session_id)

@@ -242,6 +242,8 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
             serve = subprocess.Popen([sys.executable, "-m", "processor.cli", "serve", "--config", str(config_path)],
                                      cwd=work, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
         samples: list[tuple[float, float]] = []
+        # (seconds, journal depth, queue depth, open sessions): what serve holds besides its RSS.
+        backlog: list[tuple[float, float, float, float]] = []
         try:
             _wait_ready(http_port, serve)
             tailer = Tailer(jsonl)
@@ -250,13 +252,21 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
             client = threading.Thread(target=send, args=(load, f"127.0.0.1:{grpc_port}", duration_s, run_id))
             started = time.monotonic()
             client.start()
+            import httpx
+
             while client.is_alive():
-                samples.append((time.monotonic() - started, rss_kib(serve.pid) / 1024))
+                at = time.monotonic() - started
+                samples.append((at, rss_kib(serve.pid) / 1024))
+                try:
+                    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).text
+                    backlog.append((at, _metric(text, "durable_check_journal_depth"),
+                                    _metric(text, "durable_check_queue_depth"),
+                                    _metric(text, "durable_check_open_sessions")))
+                except httpx.HTTPError:
+                    pass
                 client.join(sample_s)
             # What the window and the clock still hold comes out within the lateness and a tick.
             time.sleep(lateness_s + 3)
-            import httpx
-
             metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
         finally:
             serve.send_signal(signal.SIGTERM)
@@ -295,6 +305,7 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
         "rss_within_10pct": bool(after) and median is not None and max(after) <= median * 1.1
         and min(after) >= median * 0.9,
         "rss_samples": samples,
+        "backlog_samples": backlog,
         "stop_line": next((line for line in log.splitlines() if "stopped:" in line), ""),
     }
 
@@ -322,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         title = (f"serve RSS, {args.rate:,.0f} spans/s for {args.duration / 60:.0f} min, sessions ending every "
                  f"{args.session_spans} spans (SQLite state)")
         args.svg.write_text(svg_curve(result["rss_samples"], args.warmup, title), encoding="utf-8")
-    summary = {k: v for k, v in result.items() if k != "rss_samples"}
+    summary = {k: v for k, v in result.items() if not k.endswith("_samples")}
     sys.stdout.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
 

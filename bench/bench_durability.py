@@ -93,9 +93,9 @@ def _server(workdir: Path, backend: str, synchronous: str, dsn: str, lateness: s
     from processor.evaluate.rulefmt import load_rules
     from processor.pipeline import Pipeline
     from processor.serve import Server, ServerThread
-    from processor.state.runner import engine_factory
     from processor.state.sqlite import SqliteStore
     from processor.telemetry import Telemetry
+    from processor.worker import engine_factory
 
     settings = {
         "receivers": {"otlp": {"grpc": {"endpoint": "127.0.0.1:0"}, "http": {"endpoint": ""}}},

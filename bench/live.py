@@ -351,7 +351,7 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
             serve.returncode = os.waitstatus_to_exitcode(status)
         tailer.stop()
         log = stderr_path.read_text(encoding="utf-8", errors="replace")
-    evaluated = re.search(r"stopped; (\d+) spans evaluated", log)
+    evaluated = re.search(r"stopped: (\d+) spans received", log)
     send_times = sent["sends"]
     latencies = []
     for (rule, action_id), seen_ns in tailer.seen.items():

@@ -23,6 +23,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--config", metavar="FILE", help="configuration file (YAML); default: built-in defaults")
     parser.add_argument("--check", action="store_true", help="validate the configuration and rules, then exit (0 or 2)")
+    parser.add_argument(
+        "--flush-window-on-stop", action="store_true",
+        help="at stop, evaluate the spans still held for ordering instead of keeping them in the state for the "
+             "next start (evaluate.flush_window_on_stop; for local use)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -31,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from processor.config import load_config
 
     config = load_config(args.config)  # ConfigError: the CLI prints every problem and exits 2
+    if args.flush_window_on_stop:
+        config.evaluate.flush_window_on_stop = True
     from processor.serve import Server, build_pipeline, build_store, serve_until_signalled
     from processor.telemetry import Telemetry
 

@@ -54,6 +54,7 @@ _200MS = Duration(0.2)
 _500MS = Duration(0.5)
 _30S = Duration(30.0)
 _10S = Duration(10.0)
+_120S = Duration(120.0)
 
 
 @dataclass(slots=True)
@@ -229,9 +230,15 @@ class EvaluateConfig:
     max_violations_per_session: int = 10_000
     tick_interval: Duration = _1S
     rule_limits: RuleLimitsConfig = field(default_factory=RuleLimitsConfig)
+    # serve: /healthz fails once one evaluation step has not come round for this long (restart it).
+    max_stall: Duration = _120S
+    # serve: at stop, evaluate the spans still in the reordering window instead of keeping them (local use).
+    flush_window_on_stop: bool = False
 
     def validate(self, path: str) -> list[Problem]:
         problems: list[Problem] = []
+        if self.max_stall < 1:
+            problems.append(Problem(f"{path}.max_stall", "must be at least 1s"))
         for index, rule_path in enumerate(self.rules):
             if not rule_path:
                 problems.append(Problem(f"{path}.rules[{index}]", "empty path"))

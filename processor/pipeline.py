@@ -4,9 +4,9 @@ Readers and receivers hand it converted items (``Action`` or ``Malformed``); the
 engine turns them into violations; every exporter gets each batch. Exporters never
 raise into the pipeline and never block it (each owns a bounded retry queue).
 
-Serve on a durable store records violations in its outbox before any exporter sees
-them (processor.state.runner): it calls :meth:`Pipeline.evaluate`, which does not
-export, and builds the engine again with ``engine_factory`` after a failed commit.
+Serve's evaluator worker (processor.worker) calls :meth:`Pipeline.evaluate`, which does
+not export: on a durable store it records violations in its outbox before any exporter
+sees them, and builds the engine again with ``engine_factory`` after a failed commit.
 """
 
 from __future__ import annotations
@@ -112,6 +112,10 @@ class Pipeline:
         deadline = time.monotonic() + timeout_s
         for exporter in self.exporters:
             exporter.shutdown(max(0.1, deadline - time.monotonic()))
+
+    def export(self, violations: list[Violation]) -> None:
+        """Hand evaluated violations to every exporter (serve's worker, when no outbox stands between)."""
+        self._export(violations)
 
     def _export(self, violations: list[Violation]) -> None:
         if not violations:

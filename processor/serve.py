@@ -15,16 +15,14 @@ were acknowledged and are evaluated now, or they would be lost with the process;
 only deadlines the clock has already passed fire, and open waits stay open. A
 durable store keeps that buffer across the restart instead.
 
-With a durable store (sqlite, postgres) the worker is
-:class:`processor.state.runner.DurableWorker`: it journals each request before
-acknowledging it and records violations in the store's outbox before the exporters
-see them (docs/state.md).
+The worker is :class:`processor.worker.EvaluatorWorker`, one for every store: with a
+durable store (sqlite, postgres) it journals each request before acknowledging it and
+records violations in the store's outbox before the exporters see them (docs/state.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -39,21 +37,17 @@ import uvicorn
 
 from processor.config import AuthConfig, Config, TLSConfig
 from processor.convert.spans import SpanConverter
-from processor.errors import StateError
 from processor.operate.server import UiServer, attach_views
 from processor.pipeline import Pipeline
 from processor.receive.budget import ByteBudget
 from processor.receive.forward import AnnotatingHold, Forwarder, forward_headers_for_log, redact_endpoint
-from processor.receive.otlp_common import partial_success_message, rejected_span_count
 from processor.receive.otlp_grpc import OTLPGrpcReceiver
 from processor.receive.otlp_http import build_app
-from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
-from processor.records import Action, Malformed, SessionMark
+from processor.receive.queue import IngestQueue
 from processor.state.base import StateStore
-from processor.state.runner import DurableOptions, DurableWorker
-from processor.state.sqlstore import SqlStateStore
 from processor.telemetry import Telemetry
 from processor.violation_caps import CapLimits, ViolationCaps
+from processor.worker import EvaluatorWorker, WorkerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -113,128 +107,6 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
     return Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry, engine_factory, caps)
 
 
-class EvaluatorWorker:
-    """The single consumer of the queue and sole user of the pipeline."""
-
-    def __init__(
-        self,
-        queue: IngestQueue,
-        pipeline: Pipeline,
-        *,
-        converter: SpanConverter,
-        hold: AnnotatingHold | None,
-        tick_interval_s: float,
-        telemetry: Telemetry,
-        finish_on_exit: bool,
-    ) -> None:
-        self._queue = queue
-        self._finish_on_exit = finish_on_exit
-        self._pipeline = pipeline
-        self._converter = converter
-        self._hold = hold
-        self._tick_interval_s = tick_interval_s
-        self._telemetry = telemetry
-        self._seq = 0
-        self._deadline = float("inf")
-        self._thread = threading.Thread(target=self._run, name="durable-check-evaluator", daemon=True)
-        self.processed_spans = 0
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def drain(self, timeout_s: float) -> bool:
-        """Wait until the (closed) queue is empty; requests still queued after ``timeout_s`` are refused."""
-        self._deadline = time.monotonic() + timeout_s
-        self._thread.join(timeout_s + 1.0)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        next_tick = time.monotonic() + self._tick_interval_s
-        while True:
-            batch = self._queue.get(max(0.0, next_tick - time.monotonic()))
-            if batch is not None:
-                if time.monotonic() > self._deadline:
-                    _resolve(batch, error=ProcessingFailed("the checker stopped before evaluating this request"))
-                else:
-                    self._process(batch)
-            elif self._queue.drained():
-                if self._finish_on_exit:
-                    self._finish()
-                if self._hold is not None:
-                    self._hold.release_all()
-                return
-            if time.monotonic() >= next_tick:
-                self._tick()
-                next_tick = time.monotonic() + self._tick_interval_s
-            if self._hold is not None:
-                self._hold.release_due(time.monotonic())
-
-    def _tick(self) -> None:
-        try:
-            violations = self._pipeline.tick(time.time_ns())
-        except Exception as exc:  # the clock must keep running; the error is logged
-            _log_failure("evaluating deadlines failed", exc)
-            return
-        if self._hold is not None:
-            self._hold.note(violations)
-
-    def _finish(self) -> None:
-        try:
-            violations = self._pipeline.finish()
-        except Exception as exc:  # shutdown goes on; the error is logged
-            _log_failure("evaluating the held-back spans failed", exc)
-            return
-        if self._hold is not None:
-            self._hold.note(violations)
-
-    def _process(self, batch: Batch) -> None:
-        try:
-            result = self._converter.convert(batch.request, batch.origin, self._seq)
-            self._seq += len(result.actions)
-            undecoded = [
-                Malformed(message=problem, origin=batch.origin, source="span") for problem in batch.decode_problems
-            ]
-            # Marks first: the actions of their trace that name no session join the session they name.
-            items: list[Action | Malformed | SessionMark] = [
-                *result.marks, *result.actions, *result.rejected, *undecoded
-            ]
-            violations = self._pipeline.process(items) if items else []
-        except StateError as exc:
-            logger.error("the state store failed; the sender is asked to retry: %s", exc)
-            _resolve(batch, error=ProcessingFailed(f"the checker's state store failed: {exc}"))
-            return
-        except Exception as exc:  # one bad request must not stop the checker
-            _log_failure(f"evaluating a request of {batch.span_count} spans failed", exc)
-            if self._hold is not None:
-                # Checking failed, forwarding need not: the spans still go downstream.
-                self._hold.add(batch.request, time.monotonic())
-            # Not retryable: the same request would fail the same way. Say so in partial success.
-            _resolve(batch, Ack(batch.span_count, "internal error while evaluating these spans; see the checker's log"))
-            return
-        rejected = rejected_span_count(result.rejected, batch.decode_problems)
-        if rejected:
-            self._telemetry.spans_rejected.labels(batch.protocol, "unconvertible").inc(rejected)
-        self.processed_spans += batch.span_count
-        _resolve(batch, Ack(rejected, partial_success_message(result.rejected, batch.decode_problems)))
-        if self._hold is not None:
-            # Held first: condition-rule violations of its own spans come back from this very batch.
-            self._hold.add(batch.request, time.monotonic())
-            self._hold.note(violations)
-
-
-def _log_failure(what: str, exc: Exception) -> None:
-    # The exception's type only: its message may quote a record. The traceback only at debug level.
-    logger.error("%s: %s", what, type(exc).__name__, exc_info=logger.isEnabledFor(logging.DEBUG))
-
-
-def _resolve(batch: Batch, ack: Ack | None = None, error: Exception | None = None) -> None:
-    with contextlib.suppress(concurrent.futures.InvalidStateError):
-        if error is not None:
-            batch.ack.set_exception(error)
-        else:
-            batch.ack.set_result(ack if ack is not None else Ack())
-
-
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside our loop: signals are ours to handle, not uvicorn's."""
 
@@ -291,31 +163,19 @@ class Server:
             # A span is evaluated once it has waited allowed_lateness and a tick has run.
             hold_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
             hold = AnnotatingHold(self.forwarder, hold_s, config.forward.max_buffer_spans)
-        self.worker: EvaluatorWorker | DurableWorker
-        if isinstance(store, SqlStateStore) and pipeline.engine_factory is not None:
-            # Journal before acknowledging, violations through the outbox (processor.state.runner).
-            self.worker = DurableWorker(
-                self.queue,
-                pipeline,
-                store,
-                pipeline.engine_factory,
-                converter=SpanConverter(config.convert),
-                hold=hold,
-                tick_interval_s=float(config.evaluate.tick_interval),
-                telemetry=telemetry,
-                options=DurableOptions(journal_max_bytes=int(config.state.journal_max_size)),
-            )
-        else:
-            self.worker = EvaluatorWorker(
-                self.queue,
-                pipeline,
-                converter=SpanConverter(config.convert),
-                hold=hold,
-                tick_interval_s=float(config.evaluate.tick_interval),
-                telemetry=telemetry,
-                # A durable store keeps the reordering buffer across the restart; memory would lose it.
-                finish_on_exit=store is None,
-            )
+        # Journal before acknowledging and violations through the outbox when the store is durable.
+        self.worker = EvaluatorWorker(
+            self.queue,
+            pipeline,
+            store,
+            converter=SpanConverter(config.convert),
+            hold=hold,
+            tick_interval_s=float(config.evaluate.tick_interval),
+            telemetry=telemetry,
+            options=WorkerOptions(journal_max_bytes=int(config.state.journal_max_size),
+                                  max_stall_s=float(config.evaluate.max_stall),
+                                  flush_window_on_stop=config.evaluate.flush_window_on_stop),
+        )
         # The operator view (ui.endpoint): its read model is fed by the pipeline from the first batch.
         self.ui: UiServer | None = None
         if config.ui.endpoint:
@@ -340,7 +200,7 @@ class Server:
             return False, "shutting down"
         if self.queue.is_full():
             return False, "queue full"
-        if isinstance(self.worker, DurableWorker) and not self.worker.healthy:
+        if not self.worker.healthy:
             return False, "the state store is failing"
         return True, ""
 
@@ -377,7 +237,8 @@ class Server:
         sock = _bind(cfg.endpoint)
         self.http_port = sock.getsockname()[1]
         app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready,
-                        max_spans_per_request=self.config.receivers.otlp.max_spans_per_request, budget=self.budget)
+                        max_spans_per_request=self.config.receivers.otlp.max_spans_per_request, budget=self.budget,
+                        alive=self.worker.alive)
         tls: dict[str, Any] = {}
         if cfg.tls.enabled:
             tls = {"ssl_certfile": cfg.tls.cert_file, "ssl_keyfile": cfg.tls.key_file}
@@ -432,7 +293,7 @@ class Server:
         logger.debug("shutdown: receivers stopped")
         await loop.run_in_executor(None, self.pipeline.shutdown, max(1.0, deadline - time.monotonic()))
         logger.debug("shutdown: exporters flushed")
-        if isinstance(self.worker, DurableWorker) and drained:
+        if drained:
             # What the exporters delivered while flushing is recorded, not handed over again at the next start.
             self.worker.record_final_confirmations()
         if self.forwarder is not None:
@@ -440,7 +301,7 @@ class Server:
         if self.store is not None and drained:
             # Only once the worker is done with it: it is the store's single user.
             self.store.close()
-        logger.info("stopped; %d spans evaluated", self.worker.processed_spans)
+        logger.debug("shutdown: done")
 
 
 def _with_port(endpoint: str, port: int) -> str:

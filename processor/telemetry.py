@@ -85,9 +85,16 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("state_failures", "durable_check_state_failures", "counter",
                "Failed state store operations, by kind (locked, full, corrupt, read_only, connection, other).",
                ("kind",)),
+    MetricSpec("requests_set_aside", "durable_check_requests_set_aside", "counter",
+               "Accepted requests set aside so that the evaluator goes on: evaluation_failed (an error evaluating "
+               "it), commit_failed (its state cannot be stored), crashed_evaluating (the process stopped or was "
+               "restarted while evaluating it, on every try). Logged without their content.", ("reason",)),
 )
 
-# The values of ``state_failures``' label (processor.state.runner.failure_kind).
+# The values of ``requests_set_aside``' label (processor.worker).
+SET_ASIDE_REASONS: tuple[str, ...] = ("evaluation_failed", "commit_failed", "crashed_evaluating")
+
+# The values of ``state_failures``' label (processor.state.faults.failure_kind).
 STATE_FAILURE_KINDS: tuple[str, ...] = ("locked", "full", "corrupt", "read_only", "connection", "other")
 
 
@@ -119,6 +126,7 @@ class Telemetry:
     journal_bytes: Gauge
     outbox_pending: Gauge
     state_failures: Counter
+    requests_set_aside: Counter
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)

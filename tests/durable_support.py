@@ -281,12 +281,12 @@ class RecordingSender(RetryingSender):
 def durable_server(config: Config, store: SqlStateStore) -> Iterator[Server]:
     """A real server in this process on ``store``: its evaluator journals, evaluates and uses the outbox."""
     from processor.serve import Server, ServerThread, build_pipeline
-    from processor.state.runner import DurableWorker
     from processor.telemetry import Telemetry
+    from processor.worker import EvaluatorWorker
 
     telemetry = Telemetry()
     server = Server(config, build_pipeline(config, telemetry, store), telemetry, store)
-    assert isinstance(server.worker, DurableWorker)
+    assert isinstance(server.worker, EvaluatorWorker) and server.worker.journaled
     thread = ServerThread(server)
     thread.start()
     try:

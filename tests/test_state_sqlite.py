@@ -391,8 +391,7 @@ def test_store_failures_are_counted_by_kind(tmp_path: Path) -> None:
     import psycopg
 
     from processor.errors import StateError
-    from processor.state.faults import SessionOwnedElsewhere, StateCorrupt, postgres_error, sqlite_error
-    from processor.state.runner import failure_kind
+    from processor.state.faults import SessionOwnedElsewhere, StateCorrupt, failure_kind, postgres_error, sqlite_error
 
     def sqlite_failure(name: str) -> StateError:
         error = sqlite3.OperationalError("test")
@@ -463,8 +462,8 @@ def test_deliveries_confirmed_during_the_shutdown_flush_are_recorded(tmp_path: P
     from processor.receive.otlp_common import count_spans, parse_protobuf
     from processor.receive.queue import Batch, IngestQueue
     from processor.serve import build_pipeline
-    from processor.state.runner import DurableWorker
     from processor.telemetry import Telemetry
+    from processor.worker import EvaluatorWorker
     from tests.durable_support import workload
     from tests.serve_support import serve_config
     from tests.servers import HttpRecorder, wait_until
@@ -483,7 +482,7 @@ def test_deliveries_confirmed_during_the_shutdown_flush_are_recorded(tmp_path: P
     pipeline = build_pipeline(config, telemetry, store)
     assert pipeline.engine_factory is not None
     queue = IngestQueue(10, 1000, 1.0, telemetry)
-    worker = DurableWorker(queue, pipeline, store, pipeline.engine_factory, converter=SpanConverter(config.convert),
+    worker = EvaluatorWorker(queue, pipeline, store, converter=SpanConverter(config.convert),
                            hold=None, tick_interval_s=0.05, telemetry=telemetry)
     worker.start()
     try:
@@ -519,9 +518,9 @@ def test_a_request_that_breaks_the_commit_is_set_aside_and_the_others_go_on(tmp_
     from processor.receive.otlp_common import count_spans, parse_protobuf
     from processor.receive.queue import Batch, IngestQueue
     from processor.serve import build_pipeline
-    from processor.state.runner import DurableWorker
     from processor.state.session import SessionState
     from processor.telemetry import Telemetry
+    from processor.worker import EvaluatorWorker
     from tests.durable_support import workload
     from tests.serve_support import serve_config
     from tests.servers import wait_until
@@ -546,7 +545,7 @@ def test_a_request_that_breaks_the_commit_is_set_aside_and_the_others_go_on(tmp_
     pipeline = build_pipeline(config, telemetry, store)
     assert pipeline.engine_factory is not None
     queue = IngestQueue(100, 10_000, 1.0, telemetry)
-    worker = DurableWorker(queue, pipeline, store, pipeline.engine_factory, converter=SpanConverter(config.convert),
+    worker = EvaluatorWorker(queue, pipeline, store, converter=SpanConverter(config.convert),
                            hold=None, tick_interval_s=0.05, telemetry=telemetry)
     worker.start()
     try:

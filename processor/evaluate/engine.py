@@ -383,6 +383,14 @@ _COUNTERS: Final = (
 )
 
 
+class EngineLoad(NamedTuple):
+    sessions: int
+    actions: int
+    # Spans in the reordering window, and (serve) the wall time in ns by which the clock releases them all.
+    window_spans: int
+    window_release_ns: int | None
+
+
 class EngineState(EngineStateLike):
     """Watermark, counters and the reordering buffer: the engine-wide part of the state."""
 
@@ -398,6 +406,10 @@ class EngineState(EngineStateLike):
         self.received: deque[tuple[int, int]] = deque()
         # Sessions and tool-call ids resolved across a trace's spans, and the spans held for them.
         self.identity = IdentityState()
+        # Buffer changes since a durable store last wrote them (None: nobody asked, nothing kept):
+        # spans buffered, and arrival numbers of spans released.
+        self.added: list[_Buffered] | None = None
+        self.released: list[int] | None = None
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -756,9 +768,10 @@ class Engine:
         route = self._accept(action, session, out)
         state.arrivals += 1
         # tuple.__new__ skips the Python-level __new__ of a NamedTuple: this runs for every span.
-        heapq.heappush(
-            state.buffer, tuple.__new__(_Buffered, (t, action.seq, state.arrivals, action, self._now_ns, True, route))
-        )
+        item = tuple.__new__(_Buffered, (t, action.seq, state.arrivals, action, self._now_ns, True, route))
+        heapq.heappush(state.buffer, item)
+        if state.added is not None:
+            state.added.append(item)
         if self._serve:
             state.received.append((self._now_ns, t))
         session.buffered += 1
@@ -863,6 +876,8 @@ class Engine:
 
     def _release_one(self, out: list[Violation]) -> int:
         item = heapq.heappop(self._state.buffer)
+        if self._state.released is not None:
+            self._state.released.append(item.arrival)
         action = item.action
         session_id = action.session_id
         found = self._sessions.get(session_id)
@@ -1726,6 +1741,15 @@ class Engine:
             end=end,
             waits_resolved_late=session.fired.resolved if session.fired is not None else 0,
         )
+
+    def load(self) -> EngineLoad:
+        """What the engine holds now (serve's status line): sessions, actions seen, the reordering window."""
+        state = self._state
+        release_by = None
+        if self._serve and state.received:
+            # The newest span leaves the window once it has waited the allowed lateness on the clock.
+            release_by = state.received[-1][0] + self._lateness_ns
+        return EngineLoad(len(self._sessions), state.counters["actions_seen"], len(state.buffer), release_by)
 
     def summary(self) -> EngineSummary:
         """Per session (open ones, then ended ones still remembered) and totals."""

@@ -105,8 +105,10 @@ def build_app(
     *,
     max_spans_per_request: int | None = None,
     budget: ByteBudget | None = None,
+    alive: Callable[[], tuple[bool, str]] | None = None,
 ) -> FastAPI:
-    """The receiver's ASGI app. ``accepting``: new data may come in; ``ready``: (ready, why not).
+    """The receiver's ASGI app. ``accepting``: new data may come in; ``ready``: (ready, why not);
+    ``alive``: (alive, why not), false when the process must be restarted (a stuck evaluator).
 
     ``budget`` is shared with the gRPC receiver in serve; alone, the app gets its own.
     """
@@ -125,6 +127,9 @@ def build_app(
 
     @app.get("/healthz")
     async def healthz() -> Response:
+        is_alive, why = alive() if alive is not None else (True, "")
+        if not is_alive:
+            return Response(orjson.dumps({"status": "stuck", "reason": why}), 503, media_type=JSON)
         return Response(orjson.dumps({"status": "alive"}), 200, media_type=JSON)
 
     @app.get("/readyz")

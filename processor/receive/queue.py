@@ -11,7 +11,7 @@ A request is acknowledged in one place, :meth:`IngestQueue.put_and_wait_durable`
 it returns once the worker resolves the request's future. With the in-memory state
 that is after conversion and evaluation (when the number of rejected spans for the
 partial-success answer is known). With a durable store it is after conversion and
-the inbox journal's commit (processor.state.runner): the request is on disk, and is
+the inbox journal's commit (processor.worker): the request is on disk, and is
 evaluated from the journal, after a crash too.
 """
 

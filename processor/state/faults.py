@@ -118,3 +118,22 @@ def postgres_error(exc: Exception, where: str) -> StateError:
         return StateUnavailable(f"lost the connection to the PostgreSQL server {where}")
     sqlstate = getattr(exc, "sqlstate", None) or type(exc).__name__
     return StateUnavailable(f"the PostgreSQL server {where} refused a state update ({sqlstate})")
+
+
+def failure_kind(exc: StateError) -> str | None:
+    """The ``durable_check_state_failures`` kind of a store failure (the messages of processor.state.faults);
+    None for a refusal that is no failure of the store (journal full, a session held by another replica)."""
+    if isinstance(exc, JournalFull | SessionOwnedElsewhere):
+        return None
+    if isinstance(exc, StateCorrupt):
+        return "corrupt"
+    text = str(exc)
+    if "disk full" in text:
+        return "full"
+    if "locked by another process" in text or "lock on the PostgreSQL server" in text:
+        return "locked"
+    if "read-only" in text:
+        return "read_only"
+    if "lost the connection" in text:
+        return "connection"
+    return "other"

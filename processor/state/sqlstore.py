@@ -202,7 +202,9 @@ class SqlStateStore(StateStore):
                 op()
             self.commit_transaction()
             if arrivals is not None:
-                self._stored_arrivals = arrivals
+                gone, added = arrivals
+                self._stored_arrivals.difference_update(gone)
+                self._stored_arrivals.update(added)
         except StateError:
             self.rollback()
             self.stale = True
@@ -216,8 +218,8 @@ class SqlStateStore(StateStore):
             raise translated from None
 
     def _write_state(self, sessions: dict[str, SessionState | None], timers: dict[_TimerId, int | None],
-                     engine: EngineStateLike | None) -> set[int] | None:
-        """Write the pending changes; returns the buffered arrivals the database holds once committed."""
+                     engine: EngineStateLike | None) -> tuple[list[int], list[int]] | None:
+        """Write the pending changes; returns the buffered arrivals deleted and added once committed."""
         deleted = [(sid,) for sid, body in sessions.items() if body is None]
         if deleted:
             self.executemany("DELETE FROM sessions WHERE session_id = ?", deleted)
@@ -245,12 +247,13 @@ class SqlStateStore(StateStore):
             )
         return self._write_engine(engine) if engine is not None else None
 
-    def _write_engine(self, engine: EngineStateLike) -> set[int] | None:
+    def _write_engine(self, engine: EngineStateLike) -> tuple[list[int], list[int]] | None:
         from processor.evaluate.engine import EngineState
 
+        arrivals: tuple[list[int], list[int]] | None = None
         if isinstance(engine, EngineState):
-            head, arrivals, added = _split_engine_state(engine, self._stored_arrivals)
-            gone = self._stored_arrivals - arrivals
+            head, gone, added = _split_engine_state(engine, self._stored_arrivals)
+            arrivals = (gone, [a for a, _ in added])
             if gone:
                 self.executemany("DELETE FROM engine_buffer WHERE replica_id = ? AND arrival = ?",
                                  [(self.replica_id, a) for a in gone])
@@ -259,7 +262,6 @@ class SqlStateStore(StateStore):
                                  [(self.replica_id, a, dumps(plain)) for a, plain in added])
             body = dumps(head)
         else:
-            arrivals = None
             body = dumps(engine.to_plain())
         self.execute(
             "INSERT INTO engine (replica_id, body) VALUES (?, ?)"
@@ -427,9 +429,14 @@ class SqlStateStore(StateStore):
 
 def _split_engine_state(
     state: Any, stored: set[int]
-) -> tuple[dict[str, Any], set[int], list[tuple[int, dict[str, Any]]]]:
-    """The engine-wide state without its buffer, the arrivals buffered now, and the plain form of the
-    spans buffered since the last write (only those are converted)."""
+) -> tuple[dict[str, Any], list[int], list[tuple[int, dict[str, Any]]]]:
+    """The engine-wide state without its buffer, the stored arrivals released since the last write, and
+    the plain form of the spans buffered since then (only those are converted).
+
+    The engine notes what it buffers and releases once asked to (``added``/``released``), so a
+    write costs what changed, not the whole buffer; the first write after a (re)build compares
+    the buffer with what the database holds, once.
+    """
     from processor.evaluate.engine import EngineState
 
     buffer = state.buffer
@@ -438,8 +445,16 @@ def _split_engine_state(
         head: dict[str, Any] = state.to_plain()
     finally:
         state.buffer = buffer
-    arrivals = {item.arrival for item in buffer}
-    fresh = [item for item in buffer if item.arrival not in stored]
+    if state.added is None or state.released is None:
+        arrivals = {item.arrival for item in buffer}
+        gone = [a for a in stored if a not in arrivals]
+        fresh = [item for item in buffer if item.arrival not in stored]
+    else:
+        released = set(state.released)
+        gone = [a for a in released if a in stored]
+        fresh = [item for item in state.added if item.arrival not in released]
+    state.added = []
+    state.released = []
     added: list[tuple[int, dict[str, Any]]] = []
     if fresh:
         # EngineState.to_plain is the one conversion of a buffered span; use it on the new ones only.
@@ -447,4 +462,4 @@ def _split_engine_state(
         carrier.buffer = fresh
         for plain in carrier.to_plain()["buffer"]:
             added.append((int(plain["arrival"]), plain))
-    return head, arrivals, added
+    return head, gone, added

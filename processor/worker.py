@@ -1,23 +1,26 @@
-"""Serve's evaluator worker on a durable store: journal, acknowledge, evaluate, record, deliver.
+"""Serve's evaluator worker: take requests, make them safe, acknowledge, evaluate, deliver.
 
-The same single thread that owns the engine owns the store's connection. Its loop:
+One worker for every state store. It is the single consumer of the queue and the only
+thread that touches the engine and the store. Its loop:
 
-1. **Journal.** Take every request waiting in the queue (up to ``max_group``, waiting
-   ``linger_s`` for more after the first), convert each (the partial-success answer
-   needs the rejected spans), and append them all to the inbox journal in one
-   transaction: one fsync for the group. A shared store claims the requests' sessions
-   in that transaction.
-2. **Acknowledge.** Each journaled request is answered success (with its partial
-   success); a request that could not be journaled (disk full, read-only, journal
-   full, its session held by another replica) is answered "retry later". Nothing is
-   acknowledged that is not on disk.
-3. **Evaluate.** Journaled entries go through the engine in order, up to
-   ``max_group`` per unit of work; one transaction then commits the engine's state,
+1. **Accept.** Take every request waiting in the queue (up to ``max_group``, waiting
+   ``linger_s`` for more after the first) and convert each (the partial-success answer
+   needs the rejected spans).
+2. **Make safe, acknowledge.** A store with a journal (sqlite, postgres) appends the
+   requests to its inbox journal in one transaction (one fsync for the group; a shared
+   store claims the requests' sessions there) and each journaled request is answered
+   success; one that could not be journaled (disk full, read-only, journal full, its
+   session held by another replica) is answered "retry later". Nothing is acknowledged
+   that is not on disk. The in-memory store has no journal: nothing survives the
+   process anyway, so a request is evaluated at once and answered once evaluated.
+3. **Evaluate.** Pending requests go through the engine in order, up to ``max_evaluate``
+   per unit of work; with a journal one transaction then commits the engine's state,
    deletes the entries from the journal and records the violations in the outbox.
-4. **Deliver.** New outbox rows are handed to the exporters; a row is deleted from
-   ``outbox_pending`` in a later transaction once its exporter confirms delivery (the
-   line written, the endpoint's acceptance), not when ``export()`` returns: a violation
-   still in an exporter's retry queue at a crash is handed over again at the restart.
+4. **Deliver.** With an outbox, new rows are handed to the exporters and a row is
+   deleted from ``outbox_pending`` in a later transaction once its exporter confirms
+   delivery (the line written, the endpoint's acceptance), not when ``export()``
+   returns: a violation still in an exporter's retry queue at a crash is handed over
+   again at the restart. Without one, violations go straight to the exporters.
 
 Every ``tick_interval`` the engine's clock moves (deadlines fire, in a unit of work of
 their own), overdue deliveries are handed over again, and a shared store renews its
@@ -34,9 +37,24 @@ Telemetry: ``durable_check_journal_depth``/``_bytes`` (the journal),
 ``durable_check_state_failures_total{kind}`` (every failed store operation, by
 :func:`failure_kind`).
 
-Shutdown evaluates what was journaled; the reordering buffer stays in the store (the
-spans it holds were acknowledged and are released after the restart), so there is no
-``finish()``.
+**Nothing wedges the evaluator.** A request whose evaluation raises is answered (in
+memory) or done (journaled) and counted; one whose commit fails the same way every time
+is narrowed down and set aside. A request that stops the process while it is evaluated
+(a hang the liveness probe ends, a crash) comes back from the journal at every start:
+so what was journaled before a start is evaluated under a durable marker naming the
+entries in progress. When a start finds the marker still pointing at pending entries,
+the previous run died evaluating them: they are evaluated one at a time (each under its
+own marker), and an entry that was the only one in progress ``max_tries`` times is set
+aside. Steady state writes no marker. The loop's heartbeat feeds :meth:`alive`: an
+evaluator stuck for ``max_stall_s`` makes ``/healthz`` fail, so the process is
+restarted and the marker does the rest. Every set-aside request is counted in
+``durable_check_requests_set_aside_total{reason}`` and logged without its content.
+
+**Stop.** The worker evaluates what was accepted. With a journal, the reordering
+buffer stays in the store (the spans it holds were acknowledged and are released
+after the restart), so there is no ``finish()``; in memory the worker ends with the
+engine's serve-mode ``finish()``: the spans still buffered would otherwise be lost
+with the process.
 """
 
 from __future__ import annotations
@@ -61,11 +79,12 @@ from processor.receive.otlp_common import (
 )
 from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
 from processor.records import Action, Malformed, SessionMark
-from processor.state.faults import JournalFull, SessionOwnedElsewhere, StateCorrupt
+from processor.state.base import StateStore
+from processor.state.faults import SessionOwnedElsewhere, failure_kind
 from processor.state.journal import Journal, JournalEntry, NewEntry
 from processor.state.outbox import Dispatcher, Outbox
 from processor.state.sqlstore import SqlStateStore
-from processor.telemetry import STATE_FAILURE_KINDS, Telemetry
+from processor.telemetry import SET_ASIDE_REASONS, STATE_FAILURE_KINDS, Telemetry
 from processor.violations import Violation
 
 if TYPE_CHECKING:
@@ -73,19 +92,23 @@ if TYPE_CHECKING:
     from processor.evaluate.model import RuleSet
     from processor.pipeline import Pipeline
     from processor.receive.forward import AnnotatingHold
-    from processor.state.base import StateStore
+
+# What conversion gives the engine: actions, inputs it reports as DS000, and spans that only name a session.
+Item = Action | Malformed | SessionMark
 
 log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S: Final = 5.0
 _PRUNE_EVERY_TICKS: Final = 60
 _SEQ_KEY: Final = "next_seq"
+# Meta key (per replica) naming the journal entries being evaluated after a start: "first,last,tries".
+_EVALUATING_KEY: Final = "evaluating:"
 _UNHEALTHY_AFTER_FAILURE_S: Final = 5.0
 
 
 @dataclass(slots=True)
 class _Work:
-    """A journaled entry waiting for evaluation; ``items`` is None until converted (entries read back)."""
+    """A request waiting for evaluation; ``items`` is None until converted (journal entries read back)."""
 
     entry_id: int
     size: int
@@ -93,10 +116,14 @@ class _Work:
     # The request, for processor mode's forwarder (None for entries read back after a restart).
     request: Any = None
     entry: JournalEntry | None = None
+    # Without a journal the request is answered once evaluated: its pending acknowledgement.
+    batch: Batch | None = None
+    ack: Ack | None = None
+    failed: bool = False
 
 
 @dataclass(slots=True)
-class DurableOptions:
+class WorkerOptions:
     linger_s: float = 0.003
     max_group: int = 64
     # Journaled requests are evaluated together, up to this many or once the oldest waited this long:
@@ -106,6 +133,14 @@ class DurableOptions:
     journal_max_bytes: int = 256 * 1024 * 1024
     redeliver_after_s: float = 60.0
     maintain_interval_s: float = 1.0
+    # An entry the process died evaluating, alone, this many times is set aside.
+    max_tries: int = 2
+    # The loop not coming round for this long (one evaluation hanging) makes alive() false.
+    max_stall_s: float = 120.0
+    # At stop, evaluate the spans in the reordering window instead of keeping them for the next start.
+    flush_window_on_stop: bool = False
+    # The status line: once this often while anything changed, and at stop.
+    status_interval_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -118,39 +153,54 @@ class _Stats:
     groups: int = 0
 
 
-class DurableWorker:
-    """The single consumer of the queue on a durable store. Same surface as serve's in-memory worker."""
+class EvaluatorWorker:
+    """The single consumer of the queue and sole user of the pipeline and its store."""
 
     def __init__(
         self,
         queue: IngestQueue,
         pipeline: Pipeline,
-        store: SqlStateStore,
-        engine_factory: Callable[[SqlStateStore], Engine],
+        store: StateStore | None,
         *,
         converter: SpanConverter,
         hold: AnnotatingHold | None,
         tick_interval_s: float,
         telemetry: Telemetry,
-        options: DurableOptions | None = None,
+        options: WorkerOptions | None = None,
     ) -> None:
         self._queue = queue
         self._pipeline = pipeline
-        self._store = store
-        self._engine_factory = engine_factory
+        # The store with a journal and an outbox; None for the in-memory one, which has neither.
+        self._sql = store if isinstance(store, SqlStateStore) else None
+        self._engine_factory = pipeline.engine_factory
+        if self._sql is not None and self._engine_factory is None:
+            raise ValueError("a journaled store needs the pipeline's engine_factory to rebuild the engine")
         self._converter = converter
         self._hold = hold
         self._tick_interval_s = tick_interval_s
         self._telemetry = telemetry
-        self._options = options or DurableOptions()
+        self._options = options or WorkerOptions()
         self._journal: Journal | None = None
-        self._outbox = Outbox(store, [e.name for e in pipeline.exporters], telemetry=telemetry)
-        for kind in STATE_FAILURE_KINDS:
-            # Born at zero, so the first failure is an increase that rate() sees.
-            telemetry.state_failures.labels(kind)
-        self._dispatcher = Dispatcher(self._outbox, pipeline.exporters,
-                                      redeliver_after_s=self._options.redeliver_after_s)
+        self._outbox: Outbox | None = None
+        self._dispatcher: Dispatcher | None = None
+        if self._sql is not None:
+            self._outbox = Outbox(self._sql, [e.name for e in pipeline.exporters], telemetry=telemetry)
+            for kind in STATE_FAILURE_KINDS:
+                # Born at zero, so the first failure is an increase that rate() sees.
+                telemetry.state_failures.labels(kind)
+            self._dispatcher = Dispatcher(self._outbox, pipeline.exporters,
+                                          redeliver_after_s=self._options.redeliver_after_s)
+        for reason in SET_ASIDE_REASONS:
+            telemetry.requests_set_aside.labels(reason)
         self._pending: collections.deque[_Work] = collections.deque()
+        # Entries up to this id were journaled before this start: evaluated under the durable marker.
+        self._replay_until = 0
+        # The marker a start found still naming pending entries: (first id, last id, tries).
+        self._suspect: tuple[int, int, int] | None = None
+        self._heartbeat = time.monotonic()
+        self._violations_by_severity: collections.Counter[str] = collections.Counter()
+        self._changed = False
+        self._last_status = time.monotonic()
         # When the oldest entry of _pending was journaled (or the last evaluation, if later).
         self._pending_since = 0.0
         self._seq = 0
@@ -171,6 +221,20 @@ class DurableWorker:
         self._last_failure = float("-inf")
 
     @property
+    def journaled(self) -> bool:
+        """True when requests are journaled before they are acknowledged (a durable store)."""
+        return self._sql is not None
+
+    def alive(self) -> tuple[bool, str]:
+        """False while one step of the evaluator has not come round for ``max_stall_s`` (liveness)."""
+        if not self._thread.is_alive():
+            return True, ""
+        stalled = time.monotonic() - self._heartbeat
+        if stalled > self._options.max_stall_s:
+            return False, f"the evaluator has been stuck for {stalled:.0f}s"
+        return True, ""
+
+    @property
     def healthy(self) -> bool:
         """False while the store refuses writes (and for a few seconds after): readiness reports it."""
         return time.monotonic() - self._last_failure > _UNHEALTHY_AFTER_FAILURE_S
@@ -184,7 +248,7 @@ class DurableWorker:
             raise self._start_error
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until the (closed) queue is empty and the journal evaluated (at most ``timeout_s``)."""
+        """Wait until the (closed) queue is empty and what was accepted evaluated (at most ``timeout_s``)."""
         self._deadline = time.monotonic() + timeout_s
         self._thread.join(timeout_s + 1.0)
         return not self._thread.is_alive()
@@ -195,10 +259,12 @@ class DurableWorker:
 
         Call it once the worker thread has stopped (it owns the store's connection), before the store closes.
         """
+        if self._sql is None or self._dispatcher is None:
+            return 0
         if self._thread.is_alive() or not self._dispatcher.has_confirmations():
             return 0
         try:
-            with self._store.unit():
+            with self._sql.unit():
                 count = self._dispatcher.confirmations_in_unit()
         except StateError as exc:
             self._count_failure(exc)
@@ -218,6 +284,7 @@ class DurableWorker:
         next_tick = time.monotonic() + self._tick_interval_s
         while True:
             group: list[Batch] = []
+            self._heartbeat = time.monotonic()
             try:
                 wait = max(0.0, next_tick - time.monotonic())
                 if self._pending:
@@ -230,6 +297,8 @@ class DurableWorker:
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_interval_s
                     self._tick()
+                    if self._changed and time.monotonic() - self._last_status >= self._options.status_interval_s:
+                        self._log_status()
                 if self._queue.drained() and (not self._pending or time.monotonic() > self._deadline):
                     self._final()
                     return
@@ -242,12 +311,20 @@ class DurableWorker:
                           exc_info=log.isEnabledFor(logging.DEBUG))
                 for batch in group:
                     _resolve(batch, error=ProcessingFailed("internal error; see the checker's log"))
-                if self._recover("an unexpected error") and self._poisoned is not None:
-                    self._set_aside(self._poisoned)
+                if self._sql is None:
+                    # Nothing to go back to: what was being evaluated is answered (above) and let go.
+                    for work in self._pending:
+                        if work.batch is not None:
+                            _resolve(work.batch, error=ProcessingFailed("internal error; see the checker's log"))
+                    self._pending.clear()
+                elif self._recover("an unexpected error") and self._poisoned is not None:
+                    self._set_aside(self._poisoned, "commit_failed")
                 self._poisoned = None
 
     def _resume(self) -> None:
-        store = self._store
+        store = self._sql
+        if store is None or self._dispatcher is None or self._outbox is None:
+            return
         self._journal = Journal(store, max_bytes=self._options.journal_max_bytes, telemetry=self._telemetry)
         seq = store.meta_get(_SEQ_KEY)
         self._seq = int(seq) if seq is not None else 0
@@ -258,6 +335,8 @@ class DurableWorker:
             self._rebuild("work adopted from a replica that stopped")
         self._reload_journal()
         if self._pending:
+            self._replay_until = self._pending[-1].entry_id
+            self._suspect = self._read_marker()
             log.info("resuming: %d request(s) accepted before the last stop are evaluated first", len(self._pending))
             self.stats.replayed += len(self._pending)
         handed = self._dispatcher.resume()
@@ -276,14 +355,74 @@ class DurableWorker:
             after = entries[-1].id
 
     def _final(self) -> None:
-        """Record the confirmations that came in; the store keeps the rest for the next start."""
+        """In memory, release the reordering buffer; with a journal, record the confirmations that came in
+        (the store keeps the rest for the next start, unless told to evaluate the window now)."""
+        if self._sql is None:
+            self._finish_in_memory()
+        elif self._options.flush_window_on_stop and not self._pending:
+            self._flush_window()
         if self._hold is not None:
             self._hold.release_all()
-        if self._dispatcher.has_confirmations():
-            with contextlib.suppress(StateError), self._store.unit():
+        if self._sql is not None and self._dispatcher is not None and self._dispatcher.has_confirmations():
+            with contextlib.suppress(StateError), self._sql.unit():
                 self._dispatcher.confirmations_in_unit()
+        self._log_status(stopping=True)
 
-    # -- 1, 2: journal and acknowledge -------------------------------------------------------
+    def _flush_window(self) -> None:
+        """Evaluate what the reordering window holds, as the end of the input, in one unit of work."""
+        assert self._sql is not None and self._outbox is not None and self._dispatcher is not None
+        fresh: list[tuple[int, Violation]] = []
+        try:
+            with self._sql.unit():
+                violations = self._pipeline.capped(self._pipeline.engine.finish())
+                self._pipeline.record_views((), violations)
+                self._outbox.add_in_unit(violations, fresh.extend)
+        except StateError as exc:
+            self._count_failure(exc)
+            log.error("evaluating the reordering window at stop failed; it is kept for the next start: %s", exc)
+            return
+        self._note(violations)
+        self._dispatcher.hand_over(fresh)
+        self._pipeline.hand_resolutions()
+        if self._hold is not None:
+            self._hold.note(violations)
+
+    def _note(self, violations: Sequence[Violation]) -> None:
+        for violation in violations:
+            self._violations_by_severity[violation.severity] += 1
+            self._changed = True
+
+    def _log_status(self, *, stopping: bool = False) -> None:
+        """One line: what was taken in and found, and what the reordering window still holds."""
+        self._last_status = time.monotonic()
+        self._changed = False
+        load = self._pipeline.engine.load()
+        found = ", ".join(f"{n} {severity}" for severity, n in sorted(self._violations_by_severity.items())) or "none"
+        if not load.window_spans:
+            window = "nothing waiting in the reordering window"
+        elif stopping:
+            window = (f"{load.window_spans} spans waiting in the reordering window are kept in the state and "
+                      "evaluated after the next start (evaluate.flush_window_on_stop evaluates them at stop)")
+        else:
+            due = load.window_release_ns
+            when = (f"evaluated by {time.strftime('%H:%M:%SZ', time.gmtime(due / 1e9))} "
+                    f"(in {max(0.0, due / 1e9 - time.time()):.0f}s)") if due is not None else "evaluated as more arrive"
+            window = f"{load.window_spans} spans waiting in the reordering window, {when}"
+        log.info("%s: %d spans received, %d actions, %d sessions, violations: %s; %s",
+                 "stopped" if stopping else "status", self.processed_spans, load.actions, load.sessions, found, window)
+
+    def _finish_in_memory(self) -> None:
+        # The spans still buffered were acknowledged and would be lost with the process: evaluate them now.
+        try:
+            violations = self._pipeline.finish()
+        except Exception as exc:  # shutdown goes on; the error is logged
+            _log_failure("evaluating the held-back spans failed", exc)
+            return
+        self._note(violations)
+        if self._hold is not None:
+            self._hold.note(violations)
+
+    # -- 1, 2: accept, make safe and acknowledge ------------------------------------------------
 
     def _evaluation_due(self) -> bool:
         if not self._pending or time.monotonic() < self._broken_until:
@@ -307,16 +446,9 @@ class DurableWorker:
             group.append(more)
         return group
 
-    def _accept(self, group: list[Batch]) -> None:
-        if time.monotonic() > self._deadline:
-            for batch in group:
-                _resolve(batch, error=ProcessingFailed("the checker stopped before taking this request"))
-            return
-        if self._store.stale and not self._recover():
-            self._refuse_all(group, "the checker's state store is failing")
-            return
-        assert self._journal is not None
-        converted: list[tuple[Batch, list[Action | Malformed | SessionMark], list[Malformed], NewEntry]] = []
+    def _convert(self, group: list[Batch]) -> list[tuple[Batch, list[Item], list[Malformed], int]]:
+        """Each request's items, rejected spans and first seq; a request that fails to convert is answered."""
+        converted: list[tuple[Batch, list[Item], list[Malformed], int]] = []
         seq = self._seq
         for batch in group:
             try:
@@ -324,6 +456,9 @@ class DurableWorker:
             except Exception as exc:  # one bad request must not stop the others
                 log.error("converting a request of %d spans failed: %s", batch.span_count, type(exc).__name__,
                           exc_info=log.isEnabledFor(logging.DEBUG))
+                if self._hold is not None:
+                    # Checking failed, forwarding need not: the spans still go downstream.
+                    self._hold.add(batch.request, time.monotonic())
                 # Not retryable: the same request would fail the same way. Said in the partial success.
                 _resolve(batch, Ack(batch.span_count, "internal error while converting these spans; see the "
                                     "checker's log"))
@@ -332,21 +467,40 @@ class DurableWorker:
             items: list[Action | Malformed | SessionMark] = [
                 *result.marks, *result.actions, *result.rejected, *undecoded
             ]
+            converted.append((batch, items, result.rejected, seq))
+            seq += len(result.actions)
+        return converted
+
+    def _accept(self, group: list[Batch]) -> None:
+        if time.monotonic() > self._deadline:
+            for batch in group:
+                _resolve(batch, error=ProcessingFailed("the checker stopped before taking this request"))
+            return
+        if self._sql is None:
+            self._accept_in_memory(group)
+            return
+        store = self._sql
+        if store.stale and not self._recover():
+            self._refuse_all(group, "the checker's state store is failing")
+            return
+        assert self._journal is not None
+        converted: list[tuple[Batch, list[Action | Malformed | SessionMark], list[Malformed], NewEntry]] = []
+        next_seq = self._seq
+        for batch, items, rejected, seq in self._convert(group):
             sessions = frozenset(i.session_id for i in items if i.session_id)
             # The bytes as received when the receiver kept them (protobuf), else serialized once here (JSON).
             body = batch.body if batch.body is not None else batch.request.SerializeToString()
             entry = NewEntry(body, batch.protocol, batch.origin, batch.received_ns,
                              seq, list(batch.decode_problems), sessions)
-            seq += len(result.actions)
-            converted.append((batch, items, result.rejected, entry))
-        next_seq = seq
+            next_seq = seq + sum(1 for i in items if isinstance(i, Action))
+            converted.append((batch, items, rejected, entry))
 
         def admit(entry: NewEntry) -> StateError | None:
-            return self._store.admit(entry.session_ids)
+            return store.admit(entry.session_ids)
 
         def save_seq() -> None:
             # The seq counter goes with the entries that used it: a replay converts with the same numbers.
-            self._store.meta_put(_SEQ_KEY, str(next_seq))
+            store.meta_put(_SEQ_KEY, str(next_seq))
 
         try:
             outcome = self._journal.append([c[3] for c in converted], admit, also=[save_seq])
@@ -355,7 +509,7 @@ class DurableWorker:
             self._last_failure = time.monotonic()
             log.error("journaling %d request(s) failed; the senders are asked to retry: %s", len(group), exc)
             self._refuse_all(group, f"the checker's state store failed: {exc}")
-            self._store.stale = False  # nothing of the engine was touched: no rebuild needed
+            store.stale = False  # nothing of the engine was touched: no rebuild needed
             return
         self._seq = next_seq
         self.stats.groups += 1
@@ -374,13 +528,24 @@ class DurableWorker:
             self._pending.append(_Work(entry_id, len(entry.body), items, batch.request))
             _resolve(batch, Ack(unconvertible, partial_success_message(rejected, batch.decode_problems)))
             self.processed_spans += batch.span_count
-        if self._store.takeover_pending():
+        if store.takeover_pending():
             # Their state and timers as their last owner committed them (nothing of this replica is pending).
             try:
-                self._store.reset()
+                store.reset()
                 self._rebuild("sessions moved to this replica")
             except StateError as exc:
                 self._failed("loading sessions moved to this replica", exc)
+
+    def _accept_in_memory(self, group: list[Batch]) -> None:
+        """No journal: nothing outlives the process, so a request is evaluated at once and answered after."""
+        for batch, items, rejected, seq in self._convert(group):
+            self._seq = seq + sum(1 for i in items if isinstance(i, Action))
+            unconvertible = rejected_span_count(rejected, batch.decode_problems)
+            ack = Ack(unconvertible, partial_success_message(rejected, batch.decode_problems))
+            self._pending.append(_Work(0, 0, items, batch.request, batch=batch, ack=ack))
+        self._pending_since = time.monotonic()
+        while self._pending:
+            self._evaluate_some()
 
     def _refuse_all(self, group: Sequence[Batch], message: str) -> None:
         for batch in group:
@@ -392,19 +557,29 @@ class DurableWorker:
 
     # -- 3, 4: evaluate, record, deliver -------------------------------------------------------
 
+    def _unit(self) -> contextlib.AbstractContextManager[None]:
+        """One transaction for the engine's state, the journal and the outbox; nothing to group in memory."""
+        return self._sql.unit() if self._sql is not None else contextlib.nullcontext()
+
     def _evaluate_some(self) -> None:
-        assert self._journal is not None
+        self._heartbeat = time.monotonic()
         limit = 1 if self._isolate_left else self._options.max_evaluate
-        chunk = [self._pending[i] for i in range(min(limit, len(self._pending)))]
+        guarded = self._guard_replay([self._pending[i] for i in range(min(limit, len(self._pending)))])
+        if guarded is None:
+            return
+        chunk, replay_ends = guarded
         fresh: list[tuple[int, Violation]] = []
         found: list[list[Violation]] = []
         try:
-            with self._store.unit():
+            with self._unit():
                 for work in chunk:
                     found.append(self._evaluate(work))
-                self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
-                self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
-                self._dispatcher.confirmations_in_unit()
+                if self._journal is not None and self._outbox is not None and self._dispatcher is not None:
+                    self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
+                    self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
+                    self._dispatcher.confirmations_in_unit()
+                    if replay_ends:
+                        self._clear_marker_in_unit()
         except StateError as exc:
             self._failed("committing evaluated requests", exc)
             if isinstance(exc, SessionOwnedElsewhere) and exc.moved:
@@ -419,29 +594,107 @@ class DurableWorker:
             else:
                 self._isolate_left = len(chunk)
             raise
+        for violations in found:
+            self._note(violations)
+        self._changed = True
         if self._isolate_left:
             self._isolate_left -= 1
+        if replay_ends:
+            self._replay_until = 0
+            self._suspect = None
         for _ in chunk:
             self._pending.popleft()
         self._pending_since = time.monotonic()
         self.stats.evaluated += len(chunk)
         self._succeeded()
-        self._dispatcher.hand_over(fresh)
-        self._pipeline.hand_resolutions()
-        if self._hold is not None:
-            now = time.monotonic()
-            for work, violations in zip(chunk, found, strict=True):
+        if self._dispatcher is not None:
+            self._dispatcher.hand_over(fresh)
+            self._pipeline.hand_resolutions()
+        now = time.monotonic()
+        for work, violations in zip(chunk, found, strict=True):
+            if self._dispatcher is None:
+                # No outbox: each request's violations go out, and its resolutions after them.
+                self._pipeline.export(violations)
+                self._pipeline.hand_resolutions()
+                self._answer(work)
+            if self._hold is not None:
                 # Held first: condition-rule violations of its own spans come back from its own evaluation.
                 if work.request is not None:
                     self._hold.add(work.request, now)
                 self._hold.note(violations)
 
-    def _set_aside(self, work: _Work) -> None:
+    def _guard_replay(self, chunk: list[_Work]) -> tuple[list[_Work], bool] | None:
+        """The part of ``chunk`` to evaluate now, and whether it ends the entries journaled before this start.
+
+        Those entries are evaluated under a durable marker (written first, in its own
+        transaction), so that the next start knows which of them a dead process was
+        evaluating. None when nothing is to be evaluated now (an entry set aside, a failed write).
+        """
+        if self._sql is None or not chunk or chunk[0].entry_id > self._replay_until:
+            return chunk, False
+        head = chunk[0]
+        suspect = self._suspect
+        if suspect is not None and suspect[0] <= head.entry_id <= suspect[1]:
+            # The last process died evaluating these: one at a time, to find the one that kills it.
+            tries = suspect[2] + 1 if suspect[0] == suspect[1] == head.entry_id else 1
+            if suspect[0] == suspect[1] == head.entry_id and suspect[2] >= self._options.max_tries:
+                self._set_aside(head, "crashed_evaluating")
+                self._suspect = None
+                return None
+            chunk = [head]
+        else:
+            chunk = [w for w in chunk if w.entry_id <= self._replay_until]
+            tries = 1
+        marker = f"{chunk[0].entry_id},{chunk[-1].entry_id},{tries}"
+        store = self._sql
+        try:
+            store.write([lambda: store.meta_put(_EVALUATING_KEY + store.replica_id, marker)])
+        except StateError as exc:
+            self._failed("marking the requests being evaluated", exc)
+            return None
+        return chunk, chunk[-1].entry_id >= self._replay_until
+
+    def _read_marker(self) -> tuple[int, int, int] | None:
+        assert self._sql is not None
+        found = self._sql.meta_get(_EVALUATING_KEY + self._sql.replica_id)
+        if found is None:
+            return None
+        try:
+            first, last, tries = (int(part) for part in found.split(","))
+        except ValueError:
+            return None
+        if not any(first <= w.entry_id <= last for w in self._pending):
+            return None  # those entries were committed: nobody died evaluating them
+        log.warning("the last run stopped while evaluating journaled requests %d..%d (try %d); they are evaluated "
+                    "one at a time", first, last, tries)
+        return first, last, tries
+
+    def _clear_marker_in_unit(self) -> None:
+        store = self._sql
+        assert store is not None
+        key = _EVALUATING_KEY + store.replica_id
+        store.in_unit(lambda: store.execute("DELETE FROM meta WHERE key = ?", (key,)))
+
+    def _answer(self, work: _Work) -> None:
+        """The acknowledgement of a request evaluated without a journal."""
+        batch = work.batch
+        if batch is None:
+            return
+        if work.failed:
+            # Not retryable: the same request would fail the same way. Said in the partial success.
+            _resolve(batch, Ack(batch.span_count, "internal error while evaluating these spans; see the checker's log"))
+            return
+        if work.ack is not None and work.ack.rejected_spans:
+            self._telemetry.spans_rejected.labels(batch.protocol, "unconvertible").inc(work.ack.rejected_spans)
+        self.processed_spans += batch.span_count
+        _resolve(batch, work.ack)
+
+    def _set_aside(self, work: _Work, reason: str) -> None:
         """Drop a journaled request that cannot be evaluated, so the rest go on; counted and logged."""
-        assert self._journal is not None
+        assert self._journal is not None and self._sql is not None
         journal = self._journal
         try:
-            with self._store.unit():
+            with self._sql.unit():
                 journal.done_in_unit([(work.entry_id, work.size)])
         except StateError as exc:
             self._failed("setting aside a request that cannot be evaluated", exc)
@@ -450,13 +703,16 @@ class DurableWorker:
         self._isolate_left = max(0, self._isolate_left - 1)
         items = work.items if work.items is not None else self._read_back(work)
         spans = sum(1 for item in items if isinstance(item, Action))
-        if self._telemetry is not None:
-            self._telemetry.spans_rejected.labels("journal", "evaluation_failed").inc(spans)
-        log.error("a journaled request (entry %d) breaks evaluation and was set aside so that the others go on; "
-                  "run with debug logging to see why", work.entry_id)
+        self._telemetry.spans_rejected.labels("journal", "evaluation_failed").inc(spans)
+        self._telemetry.requests_set_aside.labels(reason).inc()
+        why = ("the process stopped while evaluating it on every try" if reason == "crashed_evaluating"
+               else "it breaks evaluation")
+        log.error("a journaled request (entry %d, %d spans) was set aside so that the others go on: %s (%s); "
+                  "run with debug logging to see why", work.entry_id, spans, why, reason)
 
     def _hand_off(self, moved: dict[str, str]) -> None:
         """Requests for sessions another replica took over (this one stalled past its lease) go to that replica."""
+        assert self._sql is not None
         by_owner: dict[str, list[int]] = {}
         for work in self._pending:
             items = work.items if work.items is not None else self._read_back(work)
@@ -466,7 +722,7 @@ class DurableWorker:
                 by_owner.setdefault(min(owners), []).append(work.entry_id)
         try:
             for owner, ids in by_owner.items():
-                self._store.move_journal_entries(ids, owner)
+                self._sql.move_journal_entries(ids, owner)
         except StateError as exc:
             log.error("handing requests over to the sessions' new owner failed: %s", exc)
             return
@@ -485,8 +741,9 @@ class DurableWorker:
         except StateError:
             raise
         except Exception as exc:  # one bad request must not stop the checker; it is done (not retried forever)
-            log.error("evaluating a journaled request failed: %s", type(exc).__name__,
-                      exc_info=log.isEnabledFor(logging.DEBUG))
+            _log_failure(f"evaluating a request of {len(items)} items failed; it is set aside", exc)
+            self._telemetry.requests_set_aside.labels("evaluation_failed").inc()
+            work.failed = True
             return []
 
     def _read_back(self, work: _Work) -> list[Action | Malformed | SessionMark]:
@@ -505,13 +762,18 @@ class DurableWorker:
 
     def _tick(self) -> None:
         self._ticks += 1
-        if self._store.stale and not self._recover():
+        if self._sql is None:
+            self._tick_in_memory()
+            return
+        store = self._sql
+        assert self._outbox is not None and self._dispatcher is not None
+        if store.stale and not self._recover():
             return
         now = time.monotonic()
         if now - self._last_maintain >= self._options.maintain_interval_s:
             self._last_maintain = now
             try:
-                if self._store.maintain():
+                if store.maintain():
                     self._recover("work adopted from a replica that stopped")
                     self._dispatcher.resume()
             except StateError as exc:
@@ -526,7 +788,7 @@ class DurableWorker:
             return
         fresh: list[tuple[int, Violation]] = []
         try:
-            with self._store.unit():
+            with store.unit():
                 violations = self._pipeline.capped(self._pipeline.engine.tick(time.time_ns()))
                 self._pipeline.record_views((), violations)
                 self._outbox.add_in_unit(violations, fresh.extend)
@@ -537,6 +799,7 @@ class DurableWorker:
             self._failed("committing fired deadlines", exc)
             return
         self._succeeded()
+        self._note(violations)
         self._dispatcher.hand_over(fresh)
         self._pipeline.hand_resolutions()
         try:
@@ -547,6 +810,16 @@ class DurableWorker:
             log.error("reading undelivered violations failed: %s", exc)
         if self._hold is not None:
             self._hold.note(v for _, v in fresh)
+
+    def _tick_in_memory(self) -> None:
+        try:
+            violations = self._pipeline.tick(time.time_ns())
+        except Exception as exc:  # the clock must keep running; the error is logged
+            _log_failure("evaluating deadlines failed", exc)
+            return
+        self._note(violations)
+        if self._hold is not None:
+            self._hold.note(violations)
 
     # -- faults ----------------------------------------------------------------------------------
 
@@ -571,42 +844,31 @@ class DurableWorker:
 
     def _recover(self, why: str = "a failed commit") -> bool:
         """Back to the last committed state: reload timers, rebuild the engine, re-read the journal."""
+        if self._sql is None:
+            return False
         try:
-            self._store.reset()
+            self._sql.reset()
             self._rebuild(why)
             self._reload_journal()
             self.stats.recoveries += 1
             return True
         except StateError as exc:
             self._count_failure(exc)
-            self._store.stale = True
+            self._sql.stale = True
             log.error("the state store cannot be read back yet: %s", exc)
             return False
 
     def _rebuild(self, why: str) -> None:
+        assert self._sql is not None and self._engine_factory is not None
         log.info("rebuilding the engine from the state store (%s)", why)
-        self._pipeline.engine = self._engine_factory(self._store)
+        self._pipeline.engine = self._engine_factory(self._sql)
         if self._journal is not None:
             self._journal.refresh()
 
 
-def failure_kind(exc: StateError) -> str | None:
-    """The ``durable_check_state_failures`` kind of a store failure (the messages of processor.state.faults);
-    None for a refusal that is no failure of the store (journal full, a session held by another replica)."""
-    if isinstance(exc, JournalFull | SessionOwnedElsewhere):
-        return None
-    if isinstance(exc, StateCorrupt):
-        return "corrupt"
-    text = str(exc)
-    if "disk full" in text:
-        return "full"
-    if "locked by another process" in text or "lock on the PostgreSQL server" in text:
-        return "locked"
-    if "read-only" in text:
-        return "read_only"
-    if "lost the connection" in text:
-        return "connection"
-    return "other"
+def _log_failure(what: str, exc: Exception) -> None:
+    # The exception's type only: its message may quote a record. The traceback only at debug level.
+    log.error("%s: %s", what, type(exc).__name__, exc_info=log.isEnabledFor(logging.DEBUG))
 
 
 def _resolve(batch: Batch, ack: Ack | None = None, error: Exception | None = None) -> None:

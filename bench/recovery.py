@@ -1,0 +1,142 @@
+"""Recovery after SIGKILL at the sustained rate: time to ready, and time to drain the journal.
+
+serve runs as a subprocess on its default state (SQLite, ``synchronous: full``); the
+load client of :mod:`bench.live` sends requests of the generated dump at ``--rate``
+spans/s. After ``--before`` seconds serve is killed with SIGKILL in mid-stream. The
+benchmark then reads what the database holds (journal entries acknowledged and not yet
+evaluated, spans in the reordering window), starts serve again on it and measures:
+
+- **time to ready**: from the start of the new process to ``/readyz`` answering 200
+  (the store checked, sessions, timers and window loaded, the receivers listening);
+- **time to drain**: from the start to ``durable_check_journal_depth`` reaching 0 (every
+  request acknowledged before the kill evaluated).
+
+    python -m bench.recovery bench/out/data/otlp-1000000-10000-v3.bin --rate 3000 --before 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+from bench.live import _metric, free_port
+
+_ROOT: Final = Path(__file__).resolve().parents[1]
+
+
+def _poll_ready(port: int, deadline_s: float) -> float | None:
+    import httpx
+
+    started = time.monotonic()
+    while time.monotonic() - started < deadline_s:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
+                return time.monotonic()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    return None
+
+
+def _journal_depth(metrics_port: int) -> float | None:
+    import httpx
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return None
+    return _metric(text, "durable_check_journal_depth")
+
+
+def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="durable-check-recovery-") as tmp:
+        work = Path(tmp)
+        grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+        db = work / "state.db"
+        config_path = work / "serve.yaml"
+        config_path.write_text(
+            "receivers:\n  otlp:\n"
+            f"    grpc:\n      endpoint: 127.0.0.1:{grpc_port}\n"
+            f"    http:\n      endpoint: 127.0.0.1:{http_port}\n"
+            f"state:\n  path: {db}\n"
+            f"exporters:\n  jsonl:\n    path: {work / 'violations.jsonl'}\n"
+            f"  prometheus:\n    endpoint: 127.0.0.1:{metrics_port}\n",
+            encoding="utf-8",
+        )
+        env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+        command = [sys.executable, "-m", "processor.cli", "serve", "--config", str(config_path)]
+        log = (work / "serve.stderr").open("ab")
+        serve = subprocess.Popen(command, cwd=work, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        try:
+            if _poll_ready(http_port, 60) is None:
+                raise RuntimeError("serve did not become ready")
+            requests = max(1, round(rate * (before_s + 5) / 512))
+            client = subprocess.Popen(
+                [sys.executable, "-m", "bench.live", "client", "--target", f"127.0.0.1:{grpc_port}",
+                 "--dump", str(dump), "--requests", str(requests), "--rate", str(rate),
+                 "--out", str(work / "client.json")],
+                cwd=_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            time.sleep(before_s)
+            serve.send_signal(signal.SIGKILL)
+            serve.wait(10)
+            client.wait(120)
+            with sqlite3.connect(db) as connection:
+                journal, journal_bytes = connection.execute(
+                    "SELECT count(*), coalesce(sum(size), 0) FROM journal").fetchone()
+                window = connection.execute("SELECT count(*) FROM engine_buffer").fetchone()[0]
+                sessions = connection.execute("SELECT count(*) FROM sessions").fetchone()[0]
+            db_bytes = sum(p.stat().st_size for p in work.glob("state.db*"))
+            started = time.monotonic()
+            serve = subprocess.Popen(command, cwd=work, stdout=subprocess.DEVNULL, stderr=log, env=env)
+            ready_at = _poll_ready(http_port, 300)
+            drained_at = None
+            # The gauge is 0 until the worker loaded the journal, which is before the process is ready.
+            while ready_at is not None and time.monotonic() - started < 300:
+                depth = _journal_depth(metrics_port)
+                if depth is not None and depth == 0:
+                    drained_at = time.monotonic()
+                    break
+                time.sleep(0.05)
+        finally:
+            if serve.poll() is None:
+                serve.send_signal(signal.SIGTERM)
+                serve.wait(60)
+            log.close()
+    return {
+        "rate_spans_s": rate,
+        "killed_after_s": before_s,
+        "journal_entries_at_kill": journal,
+        "journal_bytes_at_kill": journal_bytes,
+        "window_spans_at_kill": window,
+        "sessions_at_kill": sessions,
+        "state_bytes_at_kill": db_bytes,
+        "time_to_ready_s": None if ready_at is None else ready_at - started,
+        "time_to_drain_s": None if drained_at is None else drained_at - started,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dump", type=Path)
+    parser.add_argument("--rate", type=float, required=True, help="spans per second before the kill")
+    parser.add_argument("--before", type=float, default=15.0, help="seconds of load before the kill")
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args(argv)
+    results = [run(args.dump, args.rate, args.before) for _ in range(args.runs)]
+    sys.stdout.write(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,7 +22,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -323,12 +323,16 @@ def _file_key(path: Path) -> tuple[int, int]:
 
 
 def _violation_ids(path: Path) -> set[str]:
-    """The violation ids in a JSONL file, read line by line (a line is bounded by what we write)."""
-    ids: set[str] = set()
+    """The violation ids in a JSONL file."""
+    return set(_iter_violation_ids(path))
+
+
+def _iter_violation_ids(path: Path) -> Iterator[str]:
+    """The violation ids in a JSONL file in line order, read line by line (a line is bounded by what we write)."""
     try:
         f = path.open("rb")
     except FileNotFoundError:
-        return ids
+        return
     with f:
         for raw in f:
             try:
@@ -337,8 +341,7 @@ def _violation_ids(path: Path) -> set[str]:
                 continue
             vid = doc.get("violation_id") if isinstance(doc, dict) else None
             if isinstance(vid, str):
-                ids.add(vid)
-    return ids
+                yield vid
 
 
 def _count_lines(path: Path) -> int:
@@ -426,19 +429,8 @@ class JsonlExporter:
         for path in [*reversed(self._file.rotated_paths()), self._file.path]:
             if not path.is_file():
                 continue  # absent, or a device (/dev/stdout) that holds nothing to read back
-            try:
-                f = path.open("rb")
-            except FileNotFoundError:
-                continue
-            with f:
-                for raw in f:
-                    try:
-                        doc = orjson.loads(raw)
-                    except orjson.JSONDecodeError:
-                        continue
-                    vid = doc.get("violation_id") if isinstance(doc, dict) else None
-                    if isinstance(vid, str):
-                        self._remember(vid)
+            for vid in _iter_violation_ids(path):
+                self._remember(vid)
 
     def _remember(self, violation_id: str) -> None:
         self._written[violation_id] = None

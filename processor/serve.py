@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import ssl
 import threading
 import time
@@ -44,6 +43,7 @@ from processor.receive.forward import AnnotatingHold, Forwarder, forward_headers
 from processor.receive.otlp_grpc import OTLPGrpcReceiver
 from processor.receive.otlp_http import build_app
 from processor.receive.queue import IngestQueue
+from processor.sockets import bind_listener
 from processor.state.base import StateStore
 from processor.telemetry import Telemetry
 from processor.violation_caps import CapLimits, ViolationCaps
@@ -124,23 +124,6 @@ def describe_protection(tls: TLSConfig, auth: AuthConfig) -> str:
     else:
         transport = "TLS on"
     return f"{transport}, bearer-token auth {'on' if auth.bearer_token else 'off'}"
-
-
-def _bind(endpoint: str) -> socket.socket:
-    host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    # SO_REUSEADDR (not SO_REUSEPORT): restart over TIME_WAIT, but a second serve on the port fails.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, int(port)))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"receivers.otlp.http.endpoint: cannot listen on {endpoint}: {exc.strerror or exc}") from None
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
 
 
 class Server:
@@ -234,7 +217,7 @@ class Server:
 
     async def _start_http(self) -> None:
         cfg = self.config.receivers.otlp.http
-        sock = _bind(cfg.endpoint)
+        sock = bind_listener(cfg.endpoint, "receivers.otlp.http.endpoint", backlog=1024)
         self.http_port = sock.getsockname()[1]
         app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready,
                         max_spans_per_request=self.config.receivers.otlp.max_spans_per_request, budget=self.budget,

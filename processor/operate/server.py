@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import ssl
 import time
 from collections.abc import Callable, Generator
@@ -15,6 +14,7 @@ import uvicorn
 from processor.config import Config
 from processor.operate.app import ViewContext, build_app
 from processor.pipeline import Pipeline
+from processor.sockets import bind_listener
 from processor.state.base import StateStore
 from processor.state.sqlstore import SqlStateStore
 from processor.state.views import MemoryViews, ViewStore
@@ -63,21 +63,6 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
-def _bind(endpoint: str) -> socket.socket:
-    host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, int(port)))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"ui.endpoint: cannot listen on {endpoint}: {exc.strerror or exc}") from None
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
 class UiServer:
     """The view's HTTP server; ``port`` is known once :meth:`start` returns."""
 
@@ -94,7 +79,7 @@ class UiServer:
 
     async def start(self) -> None:
         cfg = self._cfg
-        sock = _bind(cfg.endpoint)
+        sock = bind_listener(cfg.endpoint, "ui.endpoint", backlog=128)
         self.port = sock.getsockname()[1]
         tls: dict[str, Any] = {}
         if cfg.tls.enabled:

@@ -23,19 +23,15 @@ records violations in the store's outbox before the exporters see them (docs/sta
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-import ssl
 import threading
 import time
-from collections.abc import Generator
-from typing import Any, Final
-
-import uvicorn
+from typing import Final
 
 from processor.config import AuthConfig, Config, TLSConfig
 from processor.convert.spans import SpanConverter
+from processor.embedded_http import EmbeddedHttpServer
 from processor.operate.server import UiServer, attach_views
 from processor.pipeline import Pipeline
 from processor.receive.budget import ByteBudget
@@ -43,7 +39,6 @@ from processor.receive.forward import AnnotatingHold, Forwarder, forward_headers
 from processor.receive.otlp_grpc import OTLPGrpcReceiver
 from processor.receive.otlp_http import build_app
 from processor.receive.queue import IngestQueue
-from processor.sockets import bind_listener
 from processor.state.base import StateStore
 from processor.telemetry import Telemetry
 from processor.violation_caps import CapLimits, ViolationCaps
@@ -107,14 +102,6 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
     return Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry, engine_factory, caps)
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside our loop: signals are ours to handle, not uvicorn's."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
 def describe_protection(tls: TLSConfig, auth: AuthConfig) -> str:
     """What guards a listener, for the start-up log: an operator sees at once that auth is off."""
     if not tls.enabled:
@@ -162,12 +149,12 @@ class Server:
         # The operator view (ui.endpoint): its read model is fed by the pipeline from the first batch.
         self.ui: UiServer | None = None
         if config.ui.endpoint:
-            self.ui = UiServer(config, attach_views(config, pipeline, store), telemetry, self.ready)
+            self.ui = UiServer(config, attach_views(config, pipeline, store), pipeline.engine.ruleset, telemetry,
+                               self.ready)
         self._started = False
         self._draining = False
         self._grpc: OTLPGrpcReceiver | None = None
-        self._http: _EmbeddedUvicorn | None = None
-        self._http_task: asyncio.Task[None] | None = None
+        self._http: EmbeddedHttpServer | None = None
         self.grpc_port = 0
         self.http_port = 0
         # The loop the receivers run in (set by start); other threads schedule onto it.
@@ -217,31 +204,14 @@ class Server:
 
     async def _start_http(self) -> None:
         cfg = self.config.receivers.otlp.http
-        sock = bind_listener(cfg.endpoint, "receivers.otlp.http.endpoint", backlog=1024)
-        self.http_port = sock.getsockname()[1]
         app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready,
                         max_spans_per_request=self.config.receivers.otlp.max_spans_per_request, budget=self.budget,
                         alive=self.worker.alive)
-        tls: dict[str, Any] = {}
-        if cfg.tls.enabled:
-            tls = {"ssl_certfile": cfg.tls.cert_file, "ssl_keyfile": cfg.tls.key_file}
-            if cfg.tls.client_ca_file:
-                tls.update(ssl_ca_certs=cfg.tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        uv_config = uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="off", server_header=False,
-            timeout_graceful_shutdown=int(_RECEIVER_GRACE_S), **tls,
-        )
-        server = _EmbeddedUvicorn(uv_config)
-        self._http = server
-        self._http_task = asyncio.create_task(server.serve(sockets=[sock]))
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        while not server.started:
-            if self._http_task.done():
-                self._http_task.result()  # raises what stopped it
-                raise OSError(f"the HTTP receiver on {cfg.endpoint} did not start")
-            if time.monotonic() > deadline:
-                raise OSError(f"the HTTP receiver on {cfg.endpoint} did not start in time")
-            await asyncio.sleep(0.01)
+        self._http = EmbeddedHttpServer(app, cfg.endpoint, cfg.tls, what="the HTTP receiver",
+                                        where="receivers.otlp.http.endpoint", backlog=1024,
+                                        graceful_s=_RECEIVER_GRACE_S)
+        self.http_port = self._http.port
+        await self._http.start()
 
     async def begin_drain(self) -> None:
         """Stop accepting: readiness and gRPC health turn NOT_SERVING; new requests are told to retry."""
@@ -263,14 +233,11 @@ class Server:
         logger.debug("shutdown: queue drained")
         if self._grpc is not None:
             await self._grpc.stop(max(0.5, min(_RECEIVER_GRACE_S, deadline - time.monotonic())))
-        if self._http is not None and self._http_task is not None:
+        if self._http is not None:
             # Every accepted request has its answer by now; a connection still open is idle or
             # being refused, and must not hold the exit for uvicorn's default 30 s.
             grace = max(1.0, min(_RECEIVER_GRACE_S, deadline - time.monotonic()))
-            self._http.config.timeout_graceful_shutdown = int(grace)
-            self._http.should_exit = True
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self._http_task, max(1.0, deadline - time.monotonic()))
+            await self._http.stop(deadline - time.monotonic(), graceful_s=grace)
         if self.ui is not None:
             await self.ui.stop(max(1.0, min(_RECEIVER_GRACE_S, deadline - time.monotonic())))
         logger.debug("shutdown: receivers stopped")

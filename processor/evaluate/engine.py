@@ -510,6 +510,7 @@ class Engine:
         self._idle_ns = round(options.session_idle_timeout_s * _NS)
         self._clock = clock
         self._telemetry = telemetry
+        self.ruleset = ruleset  # as loaded, for readers such as the operator view (each rule's fix)
         self._lists = ruleset.lists
 
         active = ruleset.active(strict=options.strict)

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import ssl
-import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any, Final
 
-import uvicorn
-
 from processor.config import Config
+from processor.embedded_http import EmbeddedHttpServer
+from processor.evaluate.model import RuleSet
 from processor.operate.app import ViewContext, build_app
 from processor.pipeline import Pipeline
-from processor.sockets import bind_listener
 from processor.state.base import StateStore
 from processor.state.sqlstore import SqlStateStore
 from processor.state.views import MemoryViews, ViewStore
@@ -55,55 +50,26 @@ def view_setup(config: Config) -> dict[str, Any]:
     }
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside serve's loop: signals are serve's to handle."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
 class UiServer:
     """The view's HTTP server; ``port`` is known once :meth:`start` returns."""
 
-    def __init__(self, config: Config, views: ViewStore, telemetry: Telemetry,
+    def __init__(self, config: Config, views: ViewStore, rules: RuleSet, telemetry: Telemetry,
                  ready: Callable[[], tuple[bool, str]]) -> None:
-        from processor.evaluate.rulefmt import load_rules
-
-        rules = load_rules(config.evaluate.rules, include_shipped=config.evaluate.include_shipped_rules)
+        """``rules``: the rule set serve evaluates (the pages show each rule's fix)."""
         self._cfg = config.ui
         self._ctx = ViewContext(views, rules, telemetry, view_setup(config), ready)
-        self._server: _EmbeddedUvicorn | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._server: EmbeddedHttpServer | None = None
         self.port = 0
 
     async def start(self) -> None:
         cfg = self._cfg
-        sock = bind_listener(cfg.endpoint, "ui.endpoint", backlog=128)
-        self.port = sock.getsockname()[1]
-        tls: dict[str, Any] = {}
-        if cfg.tls.enabled:
-            tls = {"ssl_certfile": cfg.tls.cert_file, "ssl_keyfile": cfg.tls.key_file}
-            if cfg.tls.client_ca_file:
-                tls.update(ssl_ca_certs=cfg.tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        uv_config = uvicorn.Config(build_app(cfg, self._ctx), log_config=None, access_log=False, lifespan="off",
-                                   server_header=False, timeout_graceful_shutdown=2, **tls)
-        server = _EmbeddedUvicorn(uv_config)
-        self._server = server
-        self._task = asyncio.create_task(server.serve(sockets=[sock]))
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        while not server.started:
-            if self._task.done():
-                self._task.result()
-                raise OSError(f"the operator view on {cfg.endpoint} did not start")
-            if time.monotonic() > deadline:
-                raise OSError(f"the operator view on {cfg.endpoint} did not start in time")
-            await asyncio.sleep(0.01)
+        self._server = EmbeddedHttpServer(build_app(cfg, self._ctx), cfg.endpoint, cfg.tls, what="the operator view",
+                                          where="ui.endpoint", backlog=128, graceful_s=2)
+        self.port = self._server.port
+        await self._server.start()
 
     async def stop(self, timeout_s: float = 3.0) -> None:
-        if self._server is None or self._task is None:
+        if self._server is None:
             return
-        self._server.should_exit = True
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(self._task, max(1.0, timeout_s))
+        await self._server.stop(timeout_s)
         self._ctx.views.close()

@@ -40,7 +40,7 @@ from processor.convert.options import ConvertOptions
 from processor.convert.spans import SpanConverter
 from processor.records import Action
 from tests._spans import otlp_json_from_request
-from tests.fake_openai_server import Script, fake_openai
+from tests.fake_openai import Script, scripted_openai
 from tests.serve_support import Key, config_file, keys_of, read_jsonl, running, serve_config, wait_for
 
 FRAMEWORKS = ("pydantic-ai", "langgraph", "agents-sdk")
@@ -77,7 +77,7 @@ def run_program(framework: str, process: Process, calls: Sequence[tuple[str, Map
     would be); ``resume``: LangGraph continues the thread from its last checkpoint.
     """
     script = Script([(name, dict(args)) for name, args in calls], fail_after_results=fail_after_results)
-    with LOCK, fake_openai(script) as url:
+    with LOCK, scripted_openai(script) as url:
         if framework == "pydantic-ai":
             _pydantic_ai(process, url, tools, session)
         elif framework == "langgraph":

@@ -43,7 +43,7 @@ from processor.convert.spans import SpanConverter
 from processor.evaluate.engine import Engine, EngineOptions
 from processor.records import Action
 from tests._engine_util import shipped
-from tests.fake_openai_server import Script, fake_openai
+from tests.fake_openai import Script, scripted_openai
 from tests.framework_support import serve_and_replay
 from tests.serve_support import keys_of, read_jsonl, replay_keys, running, serve_config, wait_for
 
@@ -189,7 +189,7 @@ def _langgraph_refund(traced: Traced, answer: str | None, *, thread: str = "th-1
             refunds.append(order_id)
         return "refunded"
 
-    with _lock, fake_openai(Script([("reimburse_order", {"order_id": "42"})])) as url:
+    with _lock, scripted_openai(Script([("reimburse_order", {"order_id": "42"})])) as url:
         instrumentor = LangChainInstrumentor()
         instrumentor.instrument(tracer_provider=traced.provider)
         try:
@@ -329,7 +329,7 @@ def _agents_refund(traced: Traced, approve: bool, *, decided: str | None, group:
         refunds.append(order_id)
         return "refunded"
 
-    with _lock, fake_openai(Script([("refund_payment", {"order_id": "42"})])) as url:
+    with _lock, scripted_openai(Script([("refund_payment", {"order_id": "42"})])) as url:
         agents.set_trace_processors([])
         instrumentor = OpenAIAgentsInstrumentor()
         instrumentor.instrument(tracer_provider=traced.provider)

@@ -50,7 +50,7 @@ class Pipeline:
     def process(self, items: Iterable[Action | Malformed | SessionMark]) -> list[Violation]:
         """Evaluate a batch (one OTLP request, or a chunk of a file) and export what it found."""
         violations = self.evaluate(items)
-        self._export(violations)
+        self.export(violations)
         self.hand_resolutions()
         return violations
 
@@ -83,7 +83,7 @@ class Pipeline:
         """Serve's clock: fire the deadlines that passed in silence."""
         violations = self.capped(self.engine.tick(now_ns))
         self.record_views((), violations)
-        self._export(violations)
+        self.export(violations)
         self.hand_resolutions()
         return violations
 
@@ -91,7 +91,7 @@ class Pipeline:
         """End of a replay's input: release what was held for ordering, fire due deadlines."""
         violations = self.capped(self.engine.finish())
         self.record_views((), violations)
-        self._export(violations)
+        self.export(violations)
         self.hand_resolutions()
         return violations
 
@@ -114,10 +114,7 @@ class Pipeline:
             exporter.shutdown(max(0.1, deadline - time.monotonic()))
 
     def export(self, violations: list[Violation]) -> None:
-        """Hand evaluated violations to every exporter (serve's worker, when no outbox stands between)."""
-        self._export(violations)
-
-    def _export(self, violations: list[Violation]) -> None:
+        """Hand violations to every exporter (also serve's worker, when no outbox stands between)."""
         if not violations:
             return
         for exporter in self.exporters:

@@ -326,31 +326,6 @@ def frames(chunks: Iterator[bytes], max_message: int) -> Iterator[Frame]:
         raise MessageCut(f"input truncated in message {index + (0 if need is not None or skip else 1)}")
 
 
-def unzstd_message(data: bytes, limit: int) -> bytes | TooLong:
-    """One zstd frame (the file exporter's per-message compression), at most ``limit`` bytes.
-
-    Output is asked for in bounded steps, as in :func:`unzstd`. Raises StreamEnded when
-    ``data`` is not valid zstd, ends inside the frame, or has bytes after it.
-    """
-    decoder = ZstdDecompressor()
-    out = bytearray()
-    pending = data
-    while True:
-        try:
-            out += decoder.decompress(pending, CHUNK_SIZE)
-        except ZstdError:
-            raise StreamEnded("not valid zstd data", truncated=False) from None
-        pending = b""
-        if len(out) > limit:
-            return TooLong(len(out))
-        if decoder.eof:
-            if decoder.unused_data:
-                raise StreamEnded("data after the end of the zstd frame", truncated=False)
-            return bytes(out)
-        if decoder.needs_input:
-            raise StreamEnded("zstd frame cut short", truncated=True)
-
-
 def read_bounded(chunks: Iterator[bytes], limit: int) -> bytes | TooLong:
     """The whole stream, or TooLong once it passes ``limit`` (the rest is drained, not kept)."""
     data = bytearray()

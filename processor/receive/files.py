@@ -41,6 +41,7 @@ from processor.receive._streams import (
     MessageCut,
     StreamEnded,
     TooLong,
+    decompress_whole,
     frames,
     gunzip,
     line_blocks,
@@ -49,7 +50,6 @@ from processor.receive._streams import (
     raw_chunks,
     read_bounded,
     unzstd,
-    unzstd_message,
 )
 from processor.records import STDIN_ORIGIN, Action, Malformed, SessionMark
 
@@ -435,7 +435,7 @@ def _stream_message(
     """One framed message: protobuf, or (with the exporter's compression) zstd around protobuf or OTLP/JSON."""
     if data.startswith(ZSTD_MAGIC):
         try:
-            plain = unzstd_message(data, max_message)
+            plain = decompress_whole(data, "zstd", max_message)
         except StreamEnded:
             return Malformed(f"message {index}: not valid zstd data ({len(data)} bytes)", origin=origin,
                              source="span", extra={"message_index": index})

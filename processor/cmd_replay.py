@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from processor.evaluate.model import RuleSet
     from processor.pipeline import Pipeline
     from processor.report import Report
+
+log = logging.getLogger("durable_check.replay")
 
 INPUT_FORMATS = ("actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream")
 # Allocations between young-generation collections (the default is 700).
@@ -56,6 +59,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--input-format", choices=INPUT_FORMATS, default=None, help="override format detection for every input"
+    )
+    parser.add_argument(
+        "--full-engine",
+        action="store_true",
+        help="run action logs through the full engine even when the faster action-log lane gives the same report",
     )
     parser.add_argument(
         "--allowed-lateness", default=None, metavar="DURATION", help="how far out of order spans may arrive (e.g. 5s)"
@@ -125,8 +133,67 @@ def run(args: argparse.Namespace) -> int:
         pipeline.views = MemoryViews(max_sessions=ev_max_sessions(config))
 
     report = Report(inputs=list(args.inputs))
+    said: set[str] = set()
     with _paced_garbage_collection():
-        return _replay(args, pipeline, converter, report, ruleset)
+        if not args.full_engine and _lane_may_apply(args):
+            from processor.evaluate.loglane import LaneAborted, LogLane
+
+            lane = LogLane(pipeline.engine, args.format)
+            if lane.usable:
+                try:
+                    return _replay_lane(args, lane, report, said)
+                except LaneAborted as exc:
+                    log.info("replay: %s; running the full engine from the start", exc)
+                finally:
+                    lane.close()
+                    report.close()
+                # Nothing was written: start again with a fresh engine and report.
+                pipeline = Pipeline(Engine(ruleset, options))
+                report = Report(inputs=list(args.inputs))
+        return _replay(args, pipeline, converter, report, ruleset, said=said)
+
+
+def _lane_may_apply(args: argparse.Namespace) -> bool:
+    """Text and JSON reports of regular action-log files (see processor.evaluate.loglane)."""
+    from processor.receive.files import STDIN, close_input, open_input
+
+    if args.format not in ("text", "json") or len(set(args.inputs)) != len(args.inputs):
+        return False
+    for path in args.inputs:
+        if path == STDIN:
+            return False  # read once: there is no start to go back to
+        try:
+            handle, _, chosen, _ = open_input(path, args.input_format)
+        except InputError:
+            continue  # the lane says so as the engine would
+        close_input(handle, path)
+        if chosen != "actions":
+            return False
+    return True
+
+
+def _replay_lane(args: argparse.Namespace, lane: Any, report: Report, said: set[str]) -> int:
+    from processor.report import printable, verdict_line, write_json
+
+    lane.run(list(args.inputs), args.input_format, report, said)
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    except OSError as exc:
+        sys.stderr.write(f"durable-check: --output {printable(args.output)}: {exc.strerror or exc}\n")
+        return 2
+    try:
+        if args.format == "json":
+            write_json(report, out)
+        else:
+            lane.write_text(out)
+    finally:
+        if out is sys.stdout:
+            out.flush()
+        else:
+            out.close()
+    if args.output and args.format == "json":
+        sys.stderr.write(verdict_line(report) + "\n")
+    return report.exit_code
 
 
 def ev_max_sessions(config: Config | None) -> int:
@@ -136,7 +203,7 @@ def ev_max_sessions(config: Config | None) -> int:
 
 
 def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConverter, report: Report,
-            ruleset: RuleSet) -> int:
+            ruleset: RuleSet, *, said: set[str]) -> int:
     from processor.receive.files import read_batches
     from processor.report import printable
 
@@ -150,7 +217,10 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConvert
             except InputError as exc:
                 # Said here, once, as it happens; the report's last line counts it (see processor.report).
                 report.unreadable.append(str(exc))
-                sys.stderr.write(f"durable-check: {printable(str(exc))}\n")
+                message = printable(str(exc))
+                if message not in said:  # said already by a lane that gave up
+                    said.add(message)
+                    sys.stderr.write(f"durable-check: {message}\n")
         report.add(pipeline.finish())
         report.summary = pipeline.engine.summary()
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from typing import Any
@@ -62,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     pipeline = build_pipeline(config, telemetry, store)
     server = Server(config, pipeline, telemetry, store)
     try:
+        import asyncio
+
         asyncio.run(serve_until_signalled(server))
     except OSError as exc:
         # An address in use or not available: a user's setting, not a crash.

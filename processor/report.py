@@ -41,6 +41,8 @@ _ESCAPES: Final = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F
 
 def printable(text: str) -> str:
     """``text`` with its control characters escaped, for a terminal."""
+    if text.isascii() and text.isprintable():
+        return text  # ASCII is not printable exactly at C0 and DEL: nothing to escape (the common case)
     return text.translate(_ESCAPES)
 
 
@@ -167,6 +169,11 @@ def write_text(report: Report, out: TextIO) -> None:
     several = len(report.inputs) > 1
     for v in report.ordered():
         out.write(printable(f"{_where(v, several)}: {v.rule} {v.name}: {v.message}") + "\n")
+    write_text_tail(report, out)
+
+
+def write_text_tail(report: Report, out: TextIO) -> None:
+    """What follows the violations: a line per session, the totals, the verdict."""
     if report.summary is not None:
         for line in report.summary.text_lines():
             out.write(printable(line) + "\n")

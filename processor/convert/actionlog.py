@@ -38,6 +38,11 @@ _ACCEPTED: Final[dict[str, frozenset[type]]] = {
 }
 
 
+def accepted_types() -> dict[str, frozenset[type]]:
+    """Field -> the Python types a well-formed record's value may have (null aside)."""
+    return _ACCEPTED
+
+
 def _id_or_empty(record: dict[str, Any], name: str) -> str:
     value = record.get(name)
     return value if isinstance(value, str) else ""

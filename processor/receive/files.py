@@ -26,14 +26,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Final, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Final, cast
 
 import orjson
-from google.protobuf.message import DecodeError
 
 from processor.convert.actionlog import parse_lines
-from processor.convert.otlp_json import OtlpJsonError, decode_traces
-from processor.convert.spans import ConvertResult, SpanConverter
 from processor.errors import InputError
 from processor.receive._streams import (
     GZIP_MAGIC,
@@ -52,6 +49,10 @@ from processor.receive._streams import (
     unzstd,
 )
 from processor.records import STDIN_ORIGIN, Action, Malformed, SessionMark
+
+if TYPE_CHECKING:
+    # Loaded by the span readers when they run: an action log needs no protobuf.
+    from processor.convert.spans import ConvertResult, SpanConverter
 
 FORMATS: Final = ("actions", "otlp-json-lines", "otlp-json", "otlp-proto", "otlp-proto-stream")
 DEFAULT_MAX_LINE_BYTES: Final = 16 << 20
@@ -132,6 +133,31 @@ def read_batches(
     What replay reads: handing items on in batches saves a generator step per item,
     and each batch says how many of its items are actions.
     """
+    handle, chunks, chosen, origin = open_input(path, input_format)
+    return _batches(
+        handle,
+        path,
+        input_format=chosen,
+        chunks=chunks,
+        origin=origin,
+        converter=converter or _span_converter(),
+        max_line=max_line_bytes,
+        max_message=max_message_bytes,
+    )
+
+
+def _span_converter() -> SpanConverter:
+    from processor.convert.spans import SpanConverter
+
+    return SpanConverter()
+
+
+def open_input(path: str, input_format: str | None = None) -> tuple[BinaryIO, Iterator[bytes], str, str]:
+    """``path`` opened, decompressed and its format detected: (handle, content chunks, format, origin).
+
+    Raises InputError when it cannot be opened or recognised; the caller closes the handle
+    (``close_input``) once it has read the chunks.
+    """
     if input_format is not None and input_format not in FORMATS:
         raise InputError(f"unknown input format {input_format!r}; use one of {', '.join(FORMATS)}")
     origin = STDIN_ORIGIN if path == STDIN else path
@@ -151,16 +177,30 @@ def read_batches(
     except BaseException:
         _close(handle, path)
         raise
-    return _batches(
-        handle,
-        path,
-        input_format=chosen,
-        chunks=content.chunks,
-        origin=origin,
-        converter=converter or SpanConverter(),
-        max_line=max_line_bytes,
-        max_message=max_message_bytes,
-    )
+    return handle, content.chunks, chosen, origin
+
+
+def close_input(handle: BinaryIO, path: str) -> None:
+    _close(handle, path)
+
+
+def action_line_blocks(
+    chunks: Iterator[bytes], origin: str, max_line: int = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[tuple[int, Sequence[bytes | TooLong], bool]]:
+    """An action log's lines a block at a time: (number of the block's first line, lines, whether
+    one is a TooLong). A read that fails part-way raises the InputError ``read_batches`` raises."""
+    last = 0
+    try:
+        for block, has_too_long in line_blocks(chunks, max_line):
+            yield last + 1, block, has_too_long
+            last += len(block)
+    except StreamEnded as exc:
+        raise _broken(exc, origin, _after_line(last)) from None
+
+
+def too_long_line(size: TooLong, max_line: int) -> str:
+    """The message of a Malformed line past the line bound."""
+    return _too_long("line", size, max_line)
 
 
 def _open(path: str, origin: str) -> BinaryIO:
@@ -320,6 +360,8 @@ def _converted(converter: SpanConverter, traces: Any, origin: str, seq: int, lin
 
 def _decoded(converter: SpanConverter, document: Any, origin: str, seq: int, line: int | None) -> Iterator[Item]:
     """Spans of one OTLP/JSON object, after one Malformed per part that did not decode."""
+    from processor.convert.otlp_json import OtlpJsonError, decode_traces
+
     if isinstance(document, dict) and not any(key in document for key in _TRACE_KEYS):
         # The Collector may write other signals to the same file: those are not ours to judge.
         if not any(key in document for key in _OTHER_SIGNAL_KEYS):
@@ -395,6 +437,8 @@ def _read_json_document(
 def _convert_message(
     converter: SpanConverter, data: bytes, index: int, origin: str, seq: int
 ) -> ConvertResult | Malformed:
+    from google.protobuf.message import DecodeError
+
     try:
         result = converter.convert_serialized(data, origin, seq)
     except DecodeError:
@@ -433,6 +477,8 @@ def _stream_message(
     converter: SpanConverter, data: bytes, index: int, origin: str, seq: int, *, max_message: int
 ) -> ConvertResult | Malformed:
     """One framed message: protobuf, or (with the exporter's compression) zstd around protobuf or OTLP/JSON."""
+    from processor.convert.spans import ConvertResult
+
     if data.startswith(ZSTD_MAGIC):
         try:
             plain = decompress_whole(data, "zstd", max_message)
@@ -452,6 +498,7 @@ def _stream_message(
     except orjson.JSONDecodeError as exc:
         return Malformed(f"message {index}: {_json_error(exc)}", origin=origin, source="span",
                          extra={"message_index": index})
+
     items = list(_decoded(converter, document, origin, seq, None))
     actions = [i for i in items if isinstance(i, Action)]
     return ConvertResult(actions=actions, rejected=[i for i in items if isinstance(i, Malformed)], items=items)

@@ -82,7 +82,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from processor.errors import EvaluationError, ExpressionError
+from processor.evaluate.cel._ast import Node
 from processor.evaluate.cel._checker import WHOLE_VALUE, check
+from processor.evaluate.cel._codegen import FieldTyping, PythonSource, SourceContext, Unsupported, python_source
 from processor.evaluate.cel._compiler import Compiler, always_bool
 from processor.evaluate.cel._cost import BudgetExceeded, CostLimits, estimate_cost
 from processor.evaluate.cel._environment import Environment
@@ -98,9 +100,14 @@ __all__ = [
     "Environment",
     "EvaluationError",
     "ExpressionError",
+    "FieldTyping",
     "Guard",
+    "PythonSource",
+    "SourceContext",
     "UInt",
+    "Unsupported",
     "compile_expression",
+    "python_source",
 ]
 
 
@@ -113,7 +120,9 @@ class CompiledExpression:
     costs no method dispatch.
     """
 
-    __slots__ = ("cost", "evaluate", "guard", "path", "predicate", "references", "result_type", "source")
+    __slots__ = (
+        "constants", "cost", "evaluate", "guard", "path", "predicate", "references", "result_type", "source", "tree"
+    )
 
     evaluate: Callable[[Mapping[str, Any]], Any]
     predicate: Callable[[Mapping[str, Any]], bool]
@@ -129,8 +138,14 @@ class CompiledExpression:
         cost: int = 0,
         guard: Guard | None = None,
         path: tuple[str, str] | None = None,
+        tree: Node | None = None,
+        constants: Mapping[int, Any] | None = None,
     ) -> None:
         self.source = source
+        # The checked tree and its folded constant paths (id(node) -> value): what
+        # processor.evaluate.cel.python_source translates. The tree keeps the ids valid.
+        self.tree = tree
+        self.constants: Mapping[int, Any] = constants if constants is not None else {}
         # The estimated worst case in steps (see CostLimits), at most the environment's max_cost.
         self.cost = cost
         # When this refutes an activation, evaluate() would return false there (see Guard).
@@ -184,4 +199,6 @@ def compile_expression(source: str, env: Environment) -> CompiledExpression:
         cost=cost,
         guard=extract_guard(tree, checked.constants),
         path=field_path(tree, checked.constants),
+        tree=tree,
+        constants=checked.constants,
     )

@@ -1,0 +1,752 @@
+"""The action-log lane: replay of action logs by rule sets that read each record alone.
+
+The skill's pack (and any rule set like it) reads each record by itself, plus one
+``log_scope: file`` sequence (a repeated action id in the file). For such a rule set on
+action logs the engine's machinery has nothing to do: no reordering (log lines are
+in the order the agent wrote them), no per-session rule state, no timers. The lane runs
+the same rules without it:
+
+- the whole rule set becomes one generated Python function (``check``) and one per
+  message, from the rules' checked expressions (``processor.evaluate.cel.python_source``,
+  exact or refused; a refused expression runs its closure from inside ``check``);
+- a record is the dict orjson gives, validated as ``processor.convert.actionlog`` does;
+- a text report's violation lines are written as they are found, already in the
+  report's order, to a spool copied out after the run; nothing per violation is kept.
+
+It gives the engine's verdicts, counts and summary exactly (``tests/test_loglane.py``
+compares both on random logs, every format). What it cannot reproduce it does not
+attempt: it is chosen only for text and JSON reports of regular files in the action-log
+format, and it gives up (``LaneAborted``) when a session would have been evicted (more
+open sessions than ``max_sessions``) or could have expired (event times spanning the
+idle timeout); replay then runs the engine from the start.
+
+The generated source is parsed and checked against a short list of node types and names
+before it is compiled (``_check_source``): it can only read the record and call the
+helpers bound here, whatever a rule file says.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import logging
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, Final, TextIO
+
+import orjson
+
+from processor.convert.actionlog import accepted_types, parse_line
+from processor.convert.timefmt import parse_rfc3339
+from processor.errors import EvaluationError, InputError
+from processor.evaluate.cel import (
+    CompiledExpression,
+    FieldTyping,
+    SourceContext,
+    Unsupported,
+    python_source,
+)
+from processor.evaluate.cel._codegen import facts_when_true
+from processor.evaluate.model import MessageTemplate
+from processor.records import FIELD_TYPES, INT64_MAX, INT64_MIN, REQUIRED_FIELDS, Action, Malformed
+from processor.summary import EngineSummary, SessionSummary
+from processor.violations import Violation, make_violation_id
+
+if TYPE_CHECKING:
+    from processor.evaluate.engine import Engine, _Plan
+    from processor.report import Report
+
+log = logging.getLogger("durable_check.replay")
+
+_MISSING_KEPT: Final = object()
+# Action ids longer than this are remembered as a 16-byte digest (the engine's), shorter ones as themselves.
+_SHORT_ID: Final = 16
+_SPOOL_FLUSH: Final = 4096
+
+
+class LaneAborted(Exception):
+    """The input needs what the lane does not model (an eviction, an expiry): run the engine."""
+
+
+@dataclass(frozen=True)
+class _Generated:
+    """The rule set as code: ``check(r, line, t, hits)`` appends the positions of the rules that fire."""
+
+    check: Callable[..., None]
+    # Per position (conditions, then file rules): the message, "<id> <name>: ", the plan.
+    messages: tuple[Callable[..., str], ...]
+    heads: tuple[str, ...]
+    plans: tuple[_Plan, ...]
+    exact: int  # how many expressions were translated (the rest run their closures)
+    fallback: int
+
+
+class LogLane:
+    """Built from an engine (its rules, lists and options); ``usable`` says whether it applies."""
+
+    def __init__(self, engine: Engine, fmt: str = "text") -> None:
+        self.engine = engine
+        self._text = fmt == "text"
+        # Violation lines of a text report, in the report's order, until write_text.
+        self._spool: IO[str] | None = None
+        self.reason = _unsupported_reason(engine)
+        self.usable = self.reason is None
+        if not self.usable:
+            return
+        self._conditions: list[_Plan] = list(engine._condition_plans)
+        self._file_plans: list[_Plan] = list(engine._file_plans)
+        self._malformed: list[_Plan] = list(engine._malformed_plans)
+        self._act = engine._act
+        self._meta = engine._meta
+        # Per file rule, the groups of the file being read (cleared for the next): action id -> kept fields.
+        self._file_groups: list[dict[Any, tuple[Any, ...]]] = [{} for _ in self._file_plans]
+        # A fired file rule's ``first`` map, for its message.
+        self._views: dict[int, dict[str, Any]] = {}
+        self._generated = _generate(self._conditions, self._file_plans, self._malformed, self)
+        if self._text:
+            self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    # -- running --------------------------------------------------------------------
+
+    def run(self, inputs: list[str], input_format: str | None, report: Report, said: set[str]) -> None:
+        """Read every input into ``report`` (counts, summary; JSON: its violations); raises LaneAborted.
+
+        A text report's violation lines wait in a spool for ``write_text``.
+        """
+        from processor.receive.files import action_line_blocks, close_input, open_input
+        from processor.report import printable
+
+        options = self.engine.options
+        # Session -> its actions by kind; (session or None, rule) -> violations, counted at each block's end.
+        self._sessions: dict[str, dict[str, int]] = {}
+        self._fired: list[tuple[str | None, int | str]] = []
+        self._violations: Counter[tuple[str | None, str]] = Counter()
+        self._max_sessions = options.max_sessions
+        self._idle_ns = round(options.session_idle_timeout_s * 1e9)
+        self._min_t: int | None = None
+        self._max_t: int | None = None
+        self._actions = 0
+        self._malformed_count = 0
+        self._several = len(report.inputs) > 1
+        self._report = report
+        self._lines: list[str] = []
+        for path in inputs:
+            try:
+                handle, chunks, _, origin = open_input(path, input_format)
+                try:
+                    self._read(action_line_blocks(chunks, origin), origin)
+                finally:
+                    close_input(handle, path)
+            except InputError as exc:
+                report.unreadable.append(str(exc))
+                message = printable(str(exc))
+                if message not in said:
+                    said.add(message)
+                    sys.stderr.write(f"durable-check: {message}\n")
+        self._flush()
+        report.tally(self._actions, self._malformed_count)
+        report.summary = self._summary()
+        if self._text:
+            report.violations_by_rule.update(report.summary.violations_by_rule)
+
+    def write_text(self, out: TextIO) -> None:
+        """The text report: the spooled violation lines, then sessions, totals and verdict."""
+        from processor.report import write_text_tail
+
+        spool = self._spool
+        assert spool is not None
+        spool.seek(0)
+        while chunk := spool.read(1 << 20):
+            out.write(chunk)
+        write_text_tail(self._report, out)
+
+    def close(self) -> None:
+        if self._spool is not None:
+            self._spool.close()
+            self._spool = None
+
+    def _read(self, blocks: Iterable[tuple[int, Any, bool]], origin: str) -> None:
+        from processor.receive._streams import TooLong
+        from processor.receive.files import DEFAULT_MAX_LINE_BYTES, too_long_line
+        from processor.report import printable
+
+        loads = orjson.loads
+        decode_error = orjson.JSONDecodeError
+        accepted = accepted_types()
+        required = REQUIRED_FIELDS
+        sessions = self._sessions
+        check = self._generated.check
+        messages = self._generated.messages
+        heads = self._generated.heads
+        views = self._views
+        conditions = len(self._conditions)
+        single_text = self._text and not self._several
+        for groups in self._file_groups:
+            groups.clear()  # a file's ids are its own (log_scope: file)
+        fallback = self._generated.fallback
+        act = self._act
+        meta = self._meta
+        hits: list[int] = []
+        last_when: Any = None
+        last_t: int | None = None
+        lines = self._lines
+        actions = 0
+        for first_line, block, has_too_long in blocks:
+            number = first_line - 1
+            # Counted a block at a time (Counter.update counts in C): (session, kind) per
+            # action, (session, rule) per violation.
+            fired = self._fired
+            for raw in block:
+                number += 1
+                if has_too_long and isinstance(raw, TooLong):
+                    self._malformed_line(
+                        Malformed(too_long_line(raw, DEFAULT_MAX_LINE_BYTES), origin=origin, line=number), origin
+                    )
+                    continue
+                try:
+                    record = loads(raw)
+                except decode_error:
+                    record = None
+                well_formed = type(record) is dict
+                if well_formed:
+                    for name in required:
+                        value = record.get(name)
+                        if type(value) is not str or not value:
+                            well_formed = False
+                            break
+                    if well_formed:
+                        for name, value in record.items():
+                            types = accepted.get(name)
+                            if types is not None and value is not None:
+                                kind = type(value)
+                                if kind not in types or (kind is int and not INT64_MIN <= value <= INT64_MAX):
+                                    well_formed = False
+                                    break
+                if not well_formed:
+                    item = parse_line(raw, origin, number)
+                    if item is None:
+                        continue
+                    if isinstance(item, Malformed):
+                        self._malformed_line(item, origin)
+                        continue
+                    record = item.record
+                # -- a valid record --------------------------------------------------
+                when = record.get("time")
+                if type(when) is str:
+                    if when != last_when:
+                        last_when, last_t = when, parse_rfc3339(when)
+                        if last_t is not None:
+                            self._observe(last_t)
+                    t = last_t
+                else:
+                    t = None
+                session_id = record["session_id"]
+                kinds = sessions.get(session_id)
+                if kinds is None:
+                    kinds = self._new_session(session_id)
+                kind = record["kind"]
+                kinds[kind] = kinds.get(kind, 0) + 1
+                actions += 1
+                if fallback:
+                    act["record"] = record
+                    meta["line"] = number
+                    meta["time_ns"] = t or 0
+                check(record, number, t, hits)
+                if hits:
+                    if single_text and len(hits) == 1:
+                        # The common case, inline: one violation on a line of a single input.
+                        position = hits[0]
+                        first = views.pop(position, None) if position >= conditions else None
+                        text = f"line {number} [{record['action_id']}]: {heads[position]}"
+                        text += messages[position](record, first, number, t)
+                        lines.append(text if text.isascii() and text.isprintable() else printable(text))
+                        fired.append((session_id, position))
+                        hits.clear()
+                        continue
+                    self._emit(hits, record, number, t, origin)
+                    hits.clear()
+            if lines:
+                self._flush()
+        self._actions += actions
+        if fallback:
+            act["record"] = _EMPTY_RECORD
+            act["first"] = _EMPTY_RECORD
+
+    def _observe(self, t: int) -> None:
+        low, high = self._min_t, self._max_t
+        if low is None or t < low:
+            self._min_t = low = t
+        if high is None or t > high:
+            self._max_t = high = t
+        if high - low >= self._idle_ns:
+            raise LaneAborted("event times span the idle timeout: sessions may expire")
+
+    def _new_session(self, session_id: str) -> dict[str, int]:
+        """The session's actions by kind, counted from now."""
+        if len(self._sessions) >= self._max_sessions:
+            raise LaneAborted("more sessions than max_sessions: some would be evicted")
+        kinds: dict[str, int] = {}
+        self._sessions[session_id] = kinds
+        return kinds
+
+    # -- rules --------------------------------------------------------------------------
+
+    def file_rule(
+        self, position: int, record: dict[str, Any], line: int, t: int | None, *, hits: list[int], key: Any
+    ) -> None:
+        """A ``log_scope: file`` sequence whose expressions run their closures, as Engine._file_sequence does."""
+        plan = self._file_plans[position]
+        number = len(self._conditions) + position
+        condition = plan.condition
+        if condition is not None and not self._holds(plan, condition, record, None, line=line, t=t, where="condition"):
+            return
+        groups = self._file_groups[position]
+        found = groups.get(key)
+        if found is not None:
+            if plan.then is not None:
+                view = {n: v for n, v in zip(plan.first_names, found, strict=True) if v is not _MISSING_KEPT}
+                if self._holds(plan, plan.then, record, view, line=line, t=t, where="then"):
+                    hits.append(number)
+                    self._views[number] = view
+            return
+        if plan.first is not None and self._holds(plan, plan.first, record, None, line=line, t=t, where="first"):
+            groups[key] = tuple(record.get(name, _MISSING_KEPT) for name in plan.first_names)
+
+    def _holds(
+        self,
+        plan: _Plan,
+        expression: CompiledExpression,
+        record: dict[str, Any],
+        first: dict[str, Any] | None,
+        *,
+        line: int,
+        t: int | None,
+        where: str,
+    ) -> bool:
+        act = self._act
+        act["record"] = record
+        act["first"] = first if first is not None else _EMPTY_RECORD
+        self._meta["line"] = line
+        self._meta["time_ns"] = t or 0
+        try:
+            return expression.evaluate(act) is True
+        except EvaluationError:
+            self.rule_error(plan, where)
+            return False
+        finally:
+            act["first"] = _EMPTY_RECORD
+
+    def rule_error(self, plan: _Plan, where: str) -> None:
+        self.engine._rule_error(plan, where)
+
+    def _malformed_line(self, item: Malformed, origin: str) -> None:
+        """DS000 on a line, and its action id opens the file groups (Engine._submit_malformed)."""
+        self._malformed_count += 1
+        if item.action_id:
+            value = item.action_id
+            key = value if len(value) <= _SHORT_ID else _digest(value)
+            for position, plan in enumerate(self._file_plans):
+                self._file_groups[position].setdefault(key, (_MISSING_KEPT,) * len(plan.first_names))
+        session_id = item.session_id or None
+        if session_id is not None and session_id not in self._sessions:
+            self._new_session(session_id)
+        for plan in self._malformed:
+            meta = {"source": "log", "line": item.line or 0, "problem": item.message}
+            message = plan.rule.message.render({"meta": meta, "lists": self._act["lists"]})
+            self._fired.append((session_id, plan.id))
+            if self._text:
+                self._write_line(plan, item.line, item.action_id, message, origin)
+            else:
+                self._report.add(
+                    [
+                        Violation(
+                            rule=plan.id,
+                            name=plan.name,
+                            severity=plan.severity,
+                            session_id=item.session_id,
+                            action_id=item.action_id,
+                            message=message,
+                            violation_id=make_violation_id(
+                                plan.id, item.session_id, item.action_id, f"line:{origin}:{item.line}"
+                            ),
+                            line=item.line,
+                            origin=origin,
+                            tags=plan.tags,
+                        )
+                    ]
+                )
+
+    # -- violations ---------------------------------------------------------------------
+
+    def _emit(self, hits: list[int], record: dict[str, Any], line: int, t: int | None, origin: str) -> None:
+        """The violations of one record, written in the report's order (rule id)."""
+        plans = self._generated.plans
+        messages = self._generated.messages
+        session_id = record["session_id"]
+        ordered = hits if len(hits) == 1 else sorted(hits, key=lambda position: plans[position].id)
+        action_id = record["action_id"]
+        for position in ordered:
+            plan = plans[position]
+            self._fired.append((session_id, plan.id))
+            first = self._views.pop(position, None) if position >= len(self._conditions) else None
+            message = messages[position](record, first, line, t)
+            if self._text:
+                self._write_line(plan, line, action_id, message, origin)
+            else:
+                self._report.add([self._violation(plan, record, line, t, origin=origin, message=message)])
+
+    def _write_line(self, plan: _Plan, line: int | None, action_id: str, message: str, origin: str) -> None:
+        from processor.report import printable
+
+        prefix = f"{origin}: " if self._several and origin else ""
+        self._lines.append(printable(f"{prefix}line {line} [{action_id or '-'}]: {plan.id} {plan.name}: {message}"))
+
+    def _flush(self) -> None:
+        """Each block's lines go to the spool in one write; the counts of its violations are taken."""
+        if self._spool is not None and self._lines:
+            self._spool.write("\n".join(self._lines))
+            self._spool.write("\n")
+        self._lines.clear()
+        if self._fired:
+            plans = self._generated.plans
+            self._violations.update(
+                (session_id, rule if isinstance(rule, str) else plans[rule].id) for session_id, rule in self._fired
+            )
+            self._fired.clear()
+
+    def _violation(
+        self, plan: _Plan, record: dict[str, Any], line: int, t: int | None, *, origin: str, message: str
+    ) -> Violation:
+        session_id = record["session_id"]
+        action_id = record["action_id"]
+        return Violation(
+            rule=plan.id,
+            name=plan.name,
+            severity=plan.severity,
+            session_id=session_id,
+            action_id=action_id,
+            message=message,
+            violation_id=make_violation_id(plan.id, session_id, action_id, f"line:{origin}:{line}"),
+            time_ns=t,
+            line=line,
+            origin=origin,
+            trace_id=_str_field(record, "trace_id"),
+            span_id=_str_field(record, "span_id"),
+            service=_str_field(record, "service"),
+            kind=record["kind"],
+            tags=plan.tags,
+        )
+
+    def _summary(self) -> EngineSummary:
+        kinds = self._sessions
+        by_session: dict[str, dict[str, int]] = {}
+        by_rule: dict[str, int] = {}
+        for (session_id, rule), n in self._violations.items():
+            by_rule[rule] = by_rule.get(rule, 0) + n
+            if session_id is not None:
+                by_session.setdefault(session_id, {})[rule] = n
+        sessions = [
+            SessionSummary(
+                session_id=session_id,
+                actions_by_kind=kinds[session_id],
+                violations_by_rule=by_session.get(session_id, {}),
+                open_waits=[],
+            )
+            for session_id in sorted(self._sessions)
+        ]
+        return EngineSummary(
+            sessions=sessions,
+            actions_seen=self._actions,
+            actions_evaluated=self._actions,
+            malformed=self._malformed_count,
+            violations_by_rule=by_rule,
+            rule_errors=dict(self.engine._state.rule_errors),
+            watermark_ns=self._max_t,
+        )
+
+
+# ---------------------------------------------------------------------------
+# Whether a rule set and an engine fit the lane
+
+
+def _unsupported_reason(engine: Engine) -> str | None:
+    if engine._serve:
+        return "serve"
+    if engine._telemetry is not None:
+        return "telemetry"
+    for plan in engine._stateful_plans:
+        if plan.file_scope and plan.kind == "sequence" and plan.compact and not plan.keep_latest:
+            continue
+        if plan.kind in ("sequence", "absence") and _never_opens_on_logs(plan):
+            continue
+        return f"rule {plan.id} keeps per-session state"
+    return None
+
+
+def _never_opens_on_logs(plan: _Plan) -> bool:
+    """``first`` requires ``meta.source == "span"`` (or another non-log source) at its top level."""
+    from processor.evaluate.cel._ast import Binary, Ident, Literal, Logic, Select
+
+    expression = plan.first
+    if expression is None or expression.tree is None:
+        return False
+    tree = expression.tree
+    terms = tree.terms if isinstance(tree, Logic) and tree.op == "&&" else (tree,)
+    for term in terms:
+        if isinstance(term, Binary) and term.op == "==":
+            for side, other in ((term.left, term.right), (term.right, term.left)):
+                if (
+                    isinstance(side, Select)
+                    and isinstance(side.operand, Ident)
+                    and side.operand.name == "meta"
+                    and side.field == "source"
+                    and isinstance(other, Literal)
+                    and type(other.value) is str
+                    and other.value != "log"
+                ):
+                    return True
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Code generation
+
+_RECORD: Final = FieldTyping(code="r", types=FIELD_TYPES, always=frozenset(REQUIRED_FIELDS))
+# ``first`` holds the kept fields of a valid record (present ones have their types and, when
+# required, a value), or nothing when a malformed line opened the group.
+_FIRST: Final = FieldTyping(code="f", types=FIELD_TYPES, nonnull_when_present=frozenset(REQUIRED_FIELDS))
+_META: Final = {
+    "source": ("'log'", frozenset({str})),
+    "synthetic_action_id": ("False", frozenset({bool})),
+    "line": ("line", frozenset({int})),
+}
+_EMPTY_RECORD: Final[dict[str, Any]] = {}
+_ALLOWED_NODES: Final = (
+    ast.Module, ast.FunctionDef, ast.arguments, ast.arg, ast.Return, ast.If, ast.Try, ast.ExceptHandler,
+    ast.Expr, ast.Call, ast.Name, ast.Load, ast.Store, ast.Constant, ast.Subscript, ast.Compare, ast.BoolOp,
+    ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.IfExp, ast.BinOp, ast.Add, ast.In, ast.NotIn, ast.Is, ast.IsNot,
+    ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Attribute, ast.Pass, ast.Assign, ast.Tuple,
+)  # fmt: skip
+
+
+def _generate(conditions: list[_Plan], file_plans: list[_Plan], malformed: list[_Plan], lane: LogLane) -> _Generated:
+    context = SourceContext(maps={"record": _RECORD, "first": _FIRST}, meta=_META)
+    helpers: dict[str, Any] = {
+        "_Error": EvaluationError,
+        "_text": _text,
+        "_cut": _cut,
+        "_act": lane._act,
+        "_lane": lane,
+    }
+    body: list[str] = []
+    exact = fallback = 0
+    for position, plan in enumerate(conditions):
+        expression = plan.condition
+        assert expression is not None
+        code = _expression(expression, context)
+        if code is not None:
+            exact += 1
+            body.append(f"    if {code}:\n        hits.append({position})")
+        else:
+            fallback += 1
+            name = f"_fn{position}"
+            helpers[name] = expression.evaluate
+            helpers[f"_plan{position}"] = plan
+            body.append(
+                f"    try:\n        if {name}(_act) is True:\n            hits.append({position})\n"
+                f"    except _Error:\n        _lane.rule_error(_plan{position}, 'condition')"
+            )
+    if file_plans:
+        body.append("    v = r['action_id']")
+        body.append(f"    key = v if len(v) <= {_SHORT_ID} else _digest(v)")
+        helpers["_digest"] = _digest
+        helpers["_views"] = lane._views
+        helpers["_M"] = _MISSING_KEPT
+    offset = len(conditions)
+    for position, plan in enumerate(file_plans):
+        number = offset + position
+        codes = [None if e is None else _expression(e, context) for e in (plan.condition, plan.first, plan.then)]
+        supported = all(
+            code is not None or expression is None
+            for code, expression in zip(codes, (plan.condition, plan.first, plan.then), strict=True)
+        )
+        helpers[f"_g{position}"] = lane._file_groups[position]
+        if not supported:
+            fallback += 1
+            helpers[f"_p{position}"] = position
+            body.append(f"    _lane.file_rule(_p{position}, r, line, t, hits=hits, key=key)")
+            continue
+        exact += sum(1 for code in codes if code is not None)
+        condition_code, first_code, then_code = codes
+        names = plan.first_names
+        helpers[f"_view{position}"] = _view_maker(names)
+        kept = "(" + "".join(f"r.get({name!r}, _M), " for name in names) + ")"
+        lines = [
+            f"found = _g{position}.get(key)",
+            "if found is not None:",
+        ]
+        if then_code is not None:
+            lines += [
+                f"    f = _view{position}(found)",
+                f"    if {then_code}:",
+                f"        hits.append({number})",
+                f"        _views[{number}] = f",
+            ]
+        else:
+            lines.append("    pass")
+        if first_code is not None:
+            lines += [f"elif {first_code}:", f"    _g{position}[key] = {kept}"]
+        indent = "    "
+        if condition_code is not None:
+            body.append(f"    if {condition_code}:")
+            indent = "        "
+        body.extend(indent + line for line in lines)
+    source = "def check(r, line, t, hits):\n" + ("\n".join(body) if body else "    pass") + "\n"
+    namespace = _compile(source, helpers, context)
+    check = namespace["check"]
+
+    all_plans = (*conditions, *file_plans)
+    messages = []
+    for position, plan in enumerate(all_plans):
+        condition = plan.condition if position < len(conditions) else plan.then
+        facts: frozenset[tuple[str, str, str]] = frozenset()
+        if condition is not None and condition.tree is not None:
+            try:
+                facts = facts_when_true(condition.tree, condition.constants)
+            except Unsupported:
+                facts = frozenset()
+        messages.append(_message(plan.rule.message, context, helpers, facts=facts, position=position, lane=lane))
+    return _Generated(
+        check=check,
+        messages=tuple(messages),
+        heads=tuple(f"{p.id} {p.name}: " for p in all_plans),
+        plans=all_plans,
+        exact=exact,
+        fallback=fallback,
+    )
+
+
+def _expression(expression: CompiledExpression, context: SourceContext) -> str | None:
+    if expression.tree is None:
+        return None
+    try:
+        written = python_source(expression.tree, expression.constants, context)
+    except Unsupported:
+        return None
+    if written.types != frozenset({bool}):
+        return None
+    return written.code
+
+
+def _message(
+    template: MessageTemplate,
+    context: SourceContext,
+    helpers: dict[str, Any],
+    *,
+    facts: frozenset[tuple[str, str, str]],
+    position: int,
+    lane: LogLane,
+) -> Callable[..., str]:
+    pieces: list[str] = []
+    for index, part in enumerate(template.parts):
+        if isinstance(part, str):
+            pieces.append(repr(part))
+            continue
+        written = None
+        if part.tree is not None:
+            try:
+                written = python_source(part.tree, part.constants, context, facts)
+            except Unsupported:
+                written = None
+        if written is None:
+            name = f"_hole{position}_{index}"
+            helpers[name] = _fallback_hole(part, template.max_value_chars, lane)
+            pieces.append(f"{name}(r, f, line, t)")
+        elif written.types == frozenset({str}):
+            pieces.append(f"_cut({written.code}, {template.max_value_chars})")
+        else:
+            pieces.append(f"_text({written.code}, {template.max_value_chars})")
+    body = " + ".join(pieces) if pieces else "''"
+    namespace = _compile(f"def m(r, f, line, t):\n    return {body}\n", helpers, context)
+    return namespace["m"]  # type: ignore[no-any-return]
+
+
+def _fallback_hole(part: CompiledExpression, limit: int, lane: LogLane) -> Callable[..., str]:
+    lists = lane._act["lists"]
+
+    def hole(record: dict[str, Any], first: dict[str, Any] | None, line: int, t: int | None) -> str:
+        activation = {
+            "record": record,
+            "first": first if first is not None else _EMPTY_RECORD,
+            "lists": lists,
+            "meta": {"source": "log", "synthetic_action_id": False, "line": line, "time_ns": t or 0},
+        }
+        try:
+            value = part.evaluate(activation)
+        except EvaluationError:
+            return "?"
+        return _text(value, limit)
+
+    return hole
+
+
+def _view_maker(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], dict[str, Any]]:
+    """``first`` as the map the engine's _first_view gives: the kept fields that were present."""
+
+    def view(kept: tuple[Any, ...]) -> dict[str, Any]:
+        return {n: v for n, v in zip(names, kept, strict=True) if v is not _MISSING_KEPT}
+
+    return view
+
+
+def _compile(source: str, helpers: dict[str, Any], context: SourceContext) -> dict[str, Any]:
+    helpers.update(context.constants)
+    tree = ast.parse(source, mode="exec")
+    _check_source(tree, set(helpers) | {"r", "f", "line", "t", "hits", "type", "str", "len", "v", "key", "found"})
+    namespace: dict[str, Any] = {"__builtins__": {"type": type, "str": str, "len": len}, **helpers}
+    exec(compile(tree, "<durable-check rules>", "exec"), namespace)  # noqa: S102 (checked source, see _check_source)
+    return namespace
+
+
+def _check_source(tree: ast.AST, names: set[str]) -> None:
+    """Only the node types and names the generator writes: a rule cannot reach anything else."""
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED_NODES):
+            raise AssertionError(f"generated rule code has a {type(node).__name__} node")
+        if isinstance(node, ast.Name) and node.id not in names:
+            raise AssertionError(f"generated rule code names {node.id!r}")
+        if isinstance(node, ast.Attribute) and not (
+            node.attr in ("append", "get", "rule_error", "file_rule") and isinstance(node.value, ast.Name)
+        ):
+            raise AssertionError(f"generated rule code reads attribute {node.attr!r}")
+
+
+def _text(value: Any, limit: int) -> str:
+    """MessageTemplate.render's text of one value."""
+    text = "null" if value is None else ("true" if value is True else "false" if value is False else str(value))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _digest(action_id: str) -> bytes:
+    return hashlib.blake2b(action_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _str_field(record: dict[str, Any], name: str) -> str:
+    value = record.get(name)
+    return value if isinstance(value, str) else ""
+
+
+def describe(lane: LogLane) -> str:
+    """For the debug log: how much of the rule set runs as generated code."""
+    generated = lane._generated
+    return f"{generated.exact} expression(s) generated, {generated.fallback} condition(s) on closures"
+
+
+__all__ = ["Action", "LaneAborted", "LogLane", "describe"]

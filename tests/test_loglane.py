@@ -1,0 +1,288 @@
+"""The action-log lane gives the full engine's report exactly (processor.evaluate.loglane).
+
+Every test runs ``replay`` twice on the same input, once as users get it (the lane, where
+it applies) and once with ``--full-engine``, and compares what they print and return:
+random logs of the skill's shape in default and strict mode, text and JSON; rule files
+whose expressions the generator translates and ones it refuses (their closures run inside
+the lane), with rule errors; several inputs; and the inputs the lane gives up on (a
+session that would expire or be evicted), where replay starts again on the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from processor import cli
+from processor.evaluate.cel import Environment, compile_expression, python_source
+from processor.evaluate.cel._codegen import SourceContext
+from processor.evaluate.loglane import LogLane, _check_source
+from tests.test_skill_parity import _logs, _record
+
+# Rules the lane must run exactly: translated ones, refused ones (macros, calls, absent
+# fields read without has()), ones that fail on some records, a message with every kind of hole.
+EXTRA_RULES = """
+version: 1
+record_fields: [prompt]
+rules:
+  - id: X001
+    name: refused-macro
+    severity: warning
+    condition: '[1, 2].exists(n, has(record.attempts) && record.attempts == n)'
+    message: "{{ record.action_id }} attempts {{ has(record.attempts) ? string(record.attempts) : 'none' }}"
+  - id: X002
+    name: fails-without-has
+    severity: warning
+    condition: 'record.attempts > 2'
+    message: "{{ record.attempts }} / {{ record.max_attempts }} of {{ record.kind }} at line {{ meta.line }}"
+  - id: X003
+    name: translated-ordering
+    severity: info
+    condition: >-
+      has(record.ttl_s) && record.ttl_s != null && record.ttl_s >= 50 && record.kind in lists.nondeterministic
+    message: "ttl {{ record.ttl_s }} {{ record.cacheable }} {{ record.result }}"
+  - id: X004
+    name: strings-and-literals
+    severity: error
+    condition: >-
+      record.status == "error" && record.kind != "write" && !(has(record.replay) && record.replay == "skip")
+      && record.session_id + "/" + record.action_id != "s1/a1"
+    message: "{{ record.session_id + ':' + record.action_id }} {{ meta.source }}"
+  - id: X005
+    name: matches-runs-its-closure
+    severity: warning
+    condition: 'record.action_id.matches("^b[0-9]$") && has(record.prompt)'
+    message: "prompt {{ record.prompt }}"
+"""
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _both(args: list[str], capsys: pytest.CaptureFixture[str], *, readable: bool = True) -> tuple[int, str, str]:
+    lane = _run(["replay", *args], capsys)
+    engine = _run(["replay", "--full-engine", *args], capsys)
+    assert lane == engine
+    if readable:
+        assert lane[0] in (0, 1), lane[2]  # a report, not a usage error both sides share
+        assert lane[1]
+    return lane
+
+
+def _write(directory: str, name: str, lines: list[bytes]) -> str:
+    path = Path(directory) / name
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", [[], ["--strict"]], ids=["default", "strict"])
+@pytest.mark.parametrize("fmt", ["text", "json"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=_logs)
+def test_the_skill_pack_gives_the_engine_report(
+    lines: list[bytes], mode: list[str], fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = _write(directory, "actions.jsonl", lines)
+        _both(["--pack", "durable-sessions", "--format", fmt, *mode, path], capsys)
+
+
+_times = st.sampled_from(["2026-11-01T09:14:00Z", "2026-11-01T09:14:00.5Z", "2026-11-02T00:00:00+02:00", "soon"])
+_timed = st.tuples(_record, _times).map(lambda pair: orjson.dumps({**pair[0], "time": pair[1]}))
+_more = st.lists(st.one_of(_timed, _record.map(orjson.dumps)), min_size=1, max_size=20)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=_more, second=_logs)
+def test_translated_and_refused_rules_over_two_inputs(
+    first: list[bytes], second: list[bytes], fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        rules = Path(directory) / "extra.yaml"
+        rules.write_text(EXTRA_RULES, encoding="utf-8")
+        one = _write(directory, "one.jsonl", first)
+        two = _write(directory, "two.jsonl", second)
+        _both(["--pack", "durable-sessions", "--rules", str(rules), "--format", fmt, one, two], capsys)
+
+
+def test_rule_errors_are_counted_and_logged_once_as_by_the_engine(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    rules = tmp_path / "extra.yaml"
+    rules.write_text(EXTRA_RULES, encoding="utf-8")
+    records = [{"session_id": "s1", "action_id": f"a{n}", "kind": "tool_call", "status": "ok"} for n in range(5)]
+    records[2]["attempts"] = 3
+    log = _write(str(tmp_path), "a.jsonl", [orjson.dumps(r) for r in records])
+    with caplog.at_level(logging.WARNING):
+        code, out, _ = _both(["--pack", "durable-sessions", "--rules", str(rules), "--format", "json", log], capsys)
+    report = orjson.loads(out)
+    assert report["rule_errors"] == {"X002": 4}
+    assert [v["rule"] for v in report["violations"]] == ["X002"]
+    assert code == 1
+    assert sum("rule X002" in r.getMessage() for r in caplog.records) == 2  # once per run: lane, then engine
+
+
+def test_the_shipped_packs_together_run_on_the_engine(tmp_path: Path) -> None:
+    """Session rules keep per-session state: the lane does not apply, and says why."""
+    from processor.evaluate.engine import Engine
+    from processor.evaluate.rulefmt import load_rules
+
+    assert LogLane(Engine(load_rules([]))).reason == "rule DS101 keeps per-session state"
+    lane = LogLane(Engine(load_rules([], packs=["durable-sessions"])))
+    assert lane.usable
+    assert lane._generated.fallback == 0  # every expression of the skill's pack is generated code
+
+
+def test_a_log_spanning_the_idle_timeout_goes_back_to_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sessions idle past the timeout expire in the engine's summary: the lane gives up, replay starts over."""
+    def line(session: str, action: str, kind: str, time: str) -> bytes:
+        return orjson.dumps({"session_id": session, "action_id": action, "kind": kind, "status": "ok", "time": time})
+
+    lines = [
+        line("s1", "a1", "llm_call", "2026-01-01T00:00:00Z"),
+        line("s2", "a2", "llm_call", "2026-03-01T00:00:00Z"),
+        b"{broken",
+        line("s1", "a1", "payment", "2026-03-01T00:00:01Z"),
+    ]
+    log = _write(str(tmp_path), "a.jsonl", lines)
+    with caplog.at_level(logging.INFO, logger="durable_check.replay"):
+        code, out, _ = _both(["--pack", "durable-sessions", "--format", "json", log], capsys)
+    assert any("idle timeout" in r.getMessage() for r in caplog.records)
+    report = orjson.loads(out)
+    assert report["sessions_expired"] == 1
+    assert sorted(v["rule"] for v in report["violations"]) == ["DS000", "DS001", "DS001", "DS002", "DS009"]
+    assert code == 1
+
+
+def test_more_sessions_than_the_bound_make_the_lane_give_up(tmp_path: Path) -> None:
+    """The engine evicts past max_sessions (and says so in its summary): the lane does not model it."""
+    from processor.evaluate.engine import Engine, EngineOptions
+    from processor.evaluate.loglane import LaneAborted
+    from processor.evaluate.rulefmt import load_rules
+    from processor.report import Report
+
+    lines = [
+        orjson.dumps({"session_id": f"s{n}", "action_id": f"a{n}", "kind": "payment", "status": "ok"}) for n in range(4)
+    ]
+    log = _write(str(tmp_path), "a.jsonl", lines)
+    engine = Engine(load_rules([], packs=["durable-sessions"]), EngineOptions(max_sessions=2))
+    lane = LogLane(engine)
+    try:
+        with pytest.raises(LaneAborted, match="max_sessions"):
+            lane.run([log], None, Report([log]), set())
+    finally:
+        lane.close()
+
+
+def test_an_unreadable_input_is_said_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = _write(
+        str(tmp_path), "a.jsonl", [b'{"session_id": "s", "action_id": "a", "kind": "llm_call", "status": "ok"}']
+    )
+    code, out, err = _both(
+        ["--pack", "durable-sessions", good, str(tmp_path / "missing.jsonl")], capsys, readable=False
+    )
+    assert code == 2
+    assert err.count("missing.jsonl") == 1
+    assert out.rstrip().splitlines()[-1].startswith("ERROR: 1 input(s) could not be read")
+
+
+# -- the generated source ------------------------------------------------------------
+
+
+_ENV = Environment(
+    variables={"record": "map", "meta": "map", "lists": "map", "first": "map"},
+    constants={"lists": {"kinds": ["llm_call", "payment"]}},
+)
+_CONTEXT = SourceContext(maps={}, meta={"source": ("'log'", frozenset({str}))})
+
+
+def test_a_rule_cannot_inject_code_through_a_literal() -> None:
+    """String literals reach the source through repr(): quotes and newlines stay data."""
+    from processor.evaluate.loglane import _RECORD
+
+    source = "record.kind == \"');\\nimport os  #\" || record.status == '\\\\n\\\"'"
+    expression = compile_expression(source, _ENV)
+    assert expression.tree is not None
+    context = SourceContext(maps={"record": _RECORD}, meta={})
+    written = python_source(expression.tree, expression.constants, context)
+    for record in (
+        {"kind": "');\nimport os  #", "status": "x"},
+        {"kind": "k", "status": '\\n"'},
+        {"kind": "k", "status": "ok"},
+    ):
+        value = eval(compile(f"lambda r: {written.code}", "<test>", "eval"))(record)
+        assert value is expression.evaluate({"record": record})
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "__import__('os').system('true')",
+        "().__class__.__bases__[0]",
+        "open('/etc/passwd')",
+    ],
+)
+def test_generated_code_is_checked_before_it_is_compiled(source: str) -> None:
+    import ast
+
+    with pytest.raises(AssertionError):
+        _check_source(ast.parse(f"def check(r, line, t, hits):\n    return {source}\n"), {"r", "line", "t", "hits"})
+
+
+_values: st.SearchStrategy[Any] = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(-3, 3, allow_nan=False),
+    st.sampled_from(["", "llm_call", "payment", "x"]),
+)
+_EXPRESSIONS = [
+    "has(record.attempts) && record.attempts != null && record.attempts > 1",
+    "record.kind in lists.kinds || (has(record.retryable) && record.retryable == true)",
+    "has(record.ttl_s) && record.ttl_s == 1",
+    "has(record.prompt) && record.prompt in lists.kinds",
+    "!(has(record.result) && record.result == null) && record.status != 'ok'",
+    "meta.source == 'log' || record.attempts > 5",
+    "meta.source == 'span' && record.attempts > 5",
+    "has(record.wait_timeout_s) && record.wait_timeout_s != null && record.wait_timeout_s >= 1.5",
+    "record.kind == 'payment' ? has(record.idempotency_key) : record.status == 'ok'",
+]
+
+
+@pytest.mark.parametrize("source", _EXPRESSIONS)
+@settings(max_examples=150, deadline=None)
+@given(
+    fields=st.fixed_dictionaries(
+        {"kind": st.sampled_from(["llm_call", "payment", "tool_call"]), "status": st.sampled_from(["ok", "error"])},
+        optional={"attempts": st.one_of(st.none(), st.integers(-2, 9)),
+                  "retryable": st.one_of(st.none(), st.booleans()),
+                  "ttl_s": st.one_of(st.none(), st.integers(-1, 3)), "prompt": _values, "result": _values,
+                  "wait_timeout_s": st.one_of(st.none(), st.integers(0, 3), st.floats(0, 3, allow_nan=False))},
+    )
+)  # fmt: skip
+def test_generated_expressions_equal_their_closures(source: str, fields: dict[str, Any]) -> None:
+    """On validated records (typed fields of their type or null), the source and the closure agree."""
+    from processor.evaluate.loglane import _META, _RECORD
+
+    record = {"session_id": "s", "action_id": "a", **fields}
+    expression = compile_expression(source, _ENV)
+    assert expression.tree is not None
+    context = SourceContext(maps={"record": _RECORD}, meta=dict(_META))
+    written = python_source(expression.tree, expression.constants, context)
+    function = eval(compile(f"lambda r, line, t: {written.code}", "<test>", "eval"), dict(context.constants))
+    activation = {"record": record, "meta": {"source": "log", "line": 1, "time_ns": 0, "synthetic_action_id": False},
+                  "lists": {"kinds": ["llm_call", "payment"]}}  # fmt: skip
+    assert function(record, 1, None) is expression.evaluate(activation)

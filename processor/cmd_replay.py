@@ -10,7 +10,7 @@ import argparse
 import gc
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -98,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
     from processor.report import Report
 
     config = load_config_or_none(args.config)
-    converter = make_converter(args.config, config)
     strict = args.strict
     rule_paths: list[str] = []
     include_shipped = not args.no_shipped_rules
@@ -150,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
                 # Nothing was written: start again with a fresh engine and report.
                 pipeline = Pipeline(Engine(ruleset, options))
                 report = Report(inputs=list(args.inputs))
-        return _replay(args, pipeline, converter, report, ruleset, said=said)
+        # The span converter (and protobuf) is loaded only for replays that may read spans.
+        return _replay(args, pipeline, lambda: make_converter(args.config, config), report, ruleset, said=said)
 
 
 def _lane_may_apply(args: argparse.Namespace) -> bool:
@@ -202,9 +202,11 @@ def ev_max_sessions(config: Config | None) -> int:
     return (config.evaluate if config is not None else EvaluateConfig()).max_sessions
 
 
-def _replay(args: argparse.Namespace, pipeline: Pipeline, converter: SpanConverter, report: Report,
-            ruleset: RuleSet, *, said: set[str]) -> int:
+def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callable[[], SpanConverter],
+            report: Report, ruleset: RuleSet, *, said: set[str]) -> int:
     from processor.receive.files import read_batches
+
+    converter = new_converter()
     from processor.report import printable
 
     try:

@@ -74,6 +74,7 @@ FIELD_TYPES: Final[dict[str, FieldType]] = {
     "service": "str",
 }
 
+_FIELD_ORDER: Final = {name: index for index, name in enumerate(FIELD_TYPES)}
 _TYPE_WORDS: Final[dict[FieldType, str]] = {
     "str": "a string",
     "int": "an integer",
@@ -140,18 +141,22 @@ def validate_record(record: Record) -> list[str]:
     missing = [f for f in REQUIRED_FIELDS if record.get(f) in (None, "")]
     if missing:
         problems.append("missing required field" + ("s " if len(missing) > 1 else " ") + ", ".join(missing))
-    for name, expected in FIELD_TYPES.items():
-        if name not in record:
-            continue
-        value = record[name]
-        if value is None:
-            if name in REQUIRED_FIELDS:
-                continue  # already reported as missing
+    # The record's own fields (a few) rather than every known one; problems in FIELD_TYPES order.
+    typed: list[tuple[int, str]] = []
+    for name, value in record.items():
+        expected = FIELD_TYPES.get(name)
+        if expected is None or value is None:  # unknown field, or null (a missing required one is said above)
             continue
         if expected in ("int", "str|int") and _beyond_int64(value):
-            problems.append(f"field {name} must be {_TYPE_WORDS[expected]} within the signed 64-bit range")
+            problem = f"field {name} must be {_TYPE_WORDS[expected]} within the signed 64-bit range"
         elif not _has_type(value, expected):
-            problems.append(f"field {name} must be {_TYPE_WORDS[expected]}, got {json_type_name(value)}")
+            problem = f"field {name} must be {_TYPE_WORDS[expected]}, got {json_type_name(value)}"
+        else:
+            continue
+        typed.append((_FIELD_ORDER[name], problem))
+    if typed:
+        typed.sort()
+        problems.extend(message for _, message in typed)
     return problems
 
 

@@ -36,14 +36,14 @@ _NESTED_INDENT: Final = "    "  # the violations list sits two levels deep in th
 
 SortKey = tuple[int, int, int, str, str]
 # C0 controls, DEL and C1 controls, each written as \xNN.
-_ESCAPES: Final = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
+CONTROL_ESCAPES: Final = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
 
 
 def printable(text: str) -> str:
     """``text`` with its control characters escaped, for a terminal."""
     if text.isascii() and text.isprintable():
         return text  # ASCII is not printable exactly at C0 and DEL: nothing to escape (the common case)
-    return text.translate(_ESCAPES)
+    return text.translate(CONTROL_ESCAPES)
 
 
 class Report:

@@ -66,6 +66,11 @@ def parse_line(raw: bytes, origin: str, line: int, seq: int = 0) -> Action | Mal
             column = exc.colno + (len(raw) - len(raw.lstrip()))
             message = f"not valid JSON ({exc.msg}) at column {column}"
         return Malformed(message, origin=origin, line=line, source="log")
+    return parsed_line(parsed, origin, line, seq)
+
+
+def parsed_line(parsed: Any, origin: str, line: int, seq: int = 0) -> Action | Malformed:
+    """``parse_line`` after the JSON parse: what a line whose text parsed as ``parsed`` becomes."""
     if not isinstance(parsed, dict):
         return Malformed(
             f"a line must be a JSON object, got {json_type_name(parsed)}", origin=origin, line=line, source="log"

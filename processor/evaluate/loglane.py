@@ -32,14 +32,13 @@ import hashlib
 import logging
 import sys
 import tempfile
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 
 import orjson
 
-from processor.convert.actionlog import accepted_types, parse_line
+from processor.convert.actionlog import accepted_types, parse_line, parsed_line
 from processor.convert.timefmt import parse_rfc3339
 from processor.errors import EvaluationError, InputError
 from processor.evaluate.cel import (
@@ -52,6 +51,7 @@ from processor.evaluate.cel import (
 from processor.evaluate.cel._codegen import facts_when_true
 from processor.evaluate.model import MessageTemplate
 from processor.records import FIELD_TYPES, INT64_MAX, INT64_MIN, REQUIRED_FIELDS, Action, Malformed
+from processor.report import CONTROL_ESCAPES
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import Violation, make_violation_id
 
@@ -76,10 +76,14 @@ class _Generated:
     """The rule set as code: ``check(r, line, t, hits)`` appends the positions of the rules that fire."""
 
     check: Callable[..., None]
-    # Per position (conditions, then file rules): the message, "<id> <name>: ", the plan.
+    # Per position (conditions, then file rules): the message, the message as the text report
+    # prints it (escaped), "<id> <name>: " (escaped), the plan.
     messages: tuple[Callable[..., str], ...]
+    printed: tuple[Callable[..., str], ...]
     heads: tuple[str, ...]
     plans: tuple[_Plan, ...]
+    # Position -> its place in rule-id order (a record's violations are written in that order).
+    rank: tuple[int, ...]
     exact: int  # how many expressions were translated (the rest run their closures)
     fallback: int
 
@@ -106,6 +110,10 @@ class LogLane:
         # A fired file rule's ``first`` map, for its message.
         self._views: dict[int, dict[str, Any]] = {}
         self._generated = _generate(self._conditions, self._file_plans, self._malformed, self)
+        self._malformed_offset = len(self._generated.plans)
+        helpers = {"_text": _text}
+        self._malformed_messages = [_malformed_message(plan.rule.message, helpers) for plan in self._malformed]
+        self._width = self._malformed_offset + len(self._malformed)
         if self._text:
             self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
@@ -122,8 +130,9 @@ class LogLane:
         options = self.engine.options
         # Session -> its actions by kind; (session or None, rule) -> violations, counted at each block's end.
         self._sessions: dict[str, dict[str, int]] = {}
-        self._fired: list[tuple[str | None, int | str]] = []
-        self._violations: Counter[tuple[str | None, str]] = Counter()
+        # Session (None: a malformed line without one) -> violations per rule, by position
+        # (conditions, file rules, malformed rules: see _Generated.plans and self._malformed).
+        self._counts: dict[str | None, list[int]] = {}
         self._max_sessions = options.max_sessions
         self._idle_ns = round(options.session_idle_timeout_s * 1e9)
         self._min_t: int | None = None
@@ -179,8 +188,8 @@ class LogLane:
         required = REQUIRED_FIELDS
         sessions = self._sessions
         check = self._generated.check
-        messages = self._generated.messages
         heads = self._generated.heads
+        printed = self._generated.printed
         views = self._views
         conditions = len(self._conditions)
         single_text = self._text and not self._several
@@ -198,7 +207,8 @@ class LogLane:
             number = first_line - 1
             # Counted a block at a time (Counter.update counts in C): (session, kind) per
             # action, (session, rule) per violation.
-            fired = self._fired
+            counts = self._counts
+            width = self._width
             for raw in block:
                 number += 1
                 if has_too_long and isinstance(raw, TooLong):
@@ -226,7 +236,8 @@ class LogLane:
                                     well_formed = False
                                     break
                 if not well_formed:
-                    item = parse_line(raw, origin, number)
+                    # The message of a line that parsed needs no second parse; others go through parse_line.
+                    item = parse_line(raw, origin, number) if record is None else parsed_line(record, origin, number)
                     if item is None:
                         continue
                     if isinstance(item, Malformed):
@@ -260,10 +271,15 @@ class LogLane:
                         # The common case, inline: one violation on a line of a single input.
                         position = hits[0]
                         first = views.pop(position, None) if position >= conditions else None
-                        text = f"line {number} [{record['action_id']}]: {heads[position]}"
-                        text += messages[position](record, first, number, t)
-                        lines.append(text if text.isascii() and text.isprintable() else printable(text))
-                        fired.append((session_id, position))
+                        action_id = record["action_id"]
+                        if not (action_id.isascii() and action_id.isprintable()):
+                            action_id = printable(action_id)
+                        message = printed[position](record, first, number, t)
+                        lines.append(f"line {number} [{action_id}]: {heads[position]}{message}")
+                        tally = counts.get(session_id)
+                        if tally is None:
+                            tally = counts[session_id] = [0] * width
+                        tally[position] += 1
                         hits.clear()
                         continue
                     self._emit(hits, record, number, t, origin)
@@ -353,10 +369,14 @@ class LogLane:
         session_id = item.session_id or None
         if session_id is not None and session_id not in self._sessions:
             self._new_session(session_id)
-        for plan in self._malformed:
-            meta = {"source": "log", "line": item.line or 0, "problem": item.message}
-            message = plan.rule.message.render({"meta": meta, "lists": self._act["lists"]})
-            self._fired.append((session_id, plan.id))
+        for index, plan in enumerate(self._malformed):
+            render = self._malformed_messages[index]
+            if render is not None:
+                message = render(item.message, item.line or 0)
+            else:
+                meta = {"source": "log", "line": item.line or 0, "problem": item.message}
+                message = plan.rule.message.render({"meta": meta, "lists": self._act["lists"]})
+            self._tally(session_id, self._malformed_offset + index)
             if self._text:
                 self._write_line(plan, item.line, item.action_id, message, origin)
             else:
@@ -383,20 +403,33 @@ class LogLane:
 
     def _emit(self, hits: list[int], record: dict[str, Any], line: int, t: int | None, origin: str) -> None:
         """The violations of one record, written in the report's order (rule id)."""
-        plans = self._generated.plans
-        messages = self._generated.messages
+        generated = self._generated
+        messages = generated.messages
         session_id = record["session_id"]
-        ordered = hits if len(hits) == 1 else sorted(hits, key=lambda position: plans[position].id)
-        action_id = record["action_id"]
+        tally = self._counts.get(session_id)
+        if tally is None:
+            tally = self._counts[session_id] = [0] * self._width
+        ordered = hits if len(hits) == 1 else sorted(hits, key=generated.rank.__getitem__)
+        conditions = len(self._conditions)
+        if self._text:
+            action_id = _printable(record["action_id"])
+            prefix = f"line {line} [{action_id}]: "
+            if self._several:
+                prefix = f"{_printable(origin)}: {prefix}"
+            heads = generated.heads
+            printed = generated.printed
+            for position in ordered:
+                tally[position] += 1
+                first = self._views.pop(position, None) if position >= conditions else None
+                self._lines.append(prefix + heads[position] + printed[position](record, first, line, t))
+            return
         for position in ordered:
-            plan = plans[position]
-            self._fired.append((session_id, plan.id))
-            first = self._views.pop(position, None) if position >= len(self._conditions) else None
+            tally[position] += 1
+            first = self._views.pop(position, None) if position >= conditions else None
             message = messages[position](record, first, line, t)
-            if self._text:
-                self._write_line(plan, line, action_id, message, origin)
-            else:
-                self._report.add([self._violation(plan, record, line, t, origin=origin, message=message)])
+            self._report.add(
+                [self._violation(generated.plans[position], record, line, t, origin=origin, message=message)]
+            )
 
     def _write_line(self, plan: _Plan, line: int | None, action_id: str, message: str, origin: str) -> None:
         from processor.report import printable
@@ -404,18 +437,18 @@ class LogLane:
         prefix = f"{origin}: " if self._several and origin else ""
         self._lines.append(printable(f"{prefix}line {line} [{action_id or '-'}]: {plan.id} {plan.name}: {message}"))
 
+    def _tally(self, session_id: str | None, position: int) -> None:
+        tally = self._counts.get(session_id)
+        if tally is None:
+            tally = self._counts[session_id] = [0] * self._width
+        tally[position] += 1
+
     def _flush(self) -> None:
         """Each block's lines go to the spool in one write; the counts of its violations are taken."""
         if self._spool is not None and self._lines:
             self._spool.write("\n".join(self._lines))
             self._spool.write("\n")
         self._lines.clear()
-        if self._fired:
-            plans = self._generated.plans
-            self._violations.update(
-                (session_id, rule if isinstance(rule, str) else plans[rule].id) for session_id, rule in self._fired
-            )
-            self._fired.clear()
 
     def _violation(
         self, plan: _Plan, record: dict[str, Any], line: int, t: int | None, *, origin: str, message: str
@@ -442,12 +475,17 @@ class LogLane:
 
     def _summary(self) -> EngineSummary:
         kinds = self._sessions
+        ids = [plan.id for plan in (*self._generated.plans, *self._malformed)]
         by_session: dict[str, dict[str, int]] = {}
         by_rule: dict[str, int] = {}
-        for (session_id, rule), n in self._violations.items():
-            by_rule[rule] = by_rule.get(rule, 0) + n
-            if session_id is not None:
-                by_session.setdefault(session_id, {})[rule] = n
+        for session_id, tally in self._counts.items():
+            for position, n in enumerate(tally):
+                if n:
+                    rule = ids[position]
+                    by_rule[rule] = by_rule.get(rule, 0) + n
+                    if session_id is not None:
+                        found = by_session.setdefault(session_id, {})
+                        found[rule] = found.get(rule, 0) + n
         sessions = [
             SessionSummary(
                 session_id=session_id,
@@ -523,6 +561,12 @@ _META: Final = {
     "synthetic_action_id": ("False", frozenset({bool})),
     "line": ("line", frozenset({int})),
 }
+# What a malformed rule's message may read: the line and the problem (no record).
+_MALFORMED_META: Final = {
+    "source": ("'log'", frozenset({str})),
+    "line": ("line", frozenset({int})),
+    "problem": ("problem", frozenset({str})),
+}
 _EMPTY_RECORD: Final[dict[str, Any]] = {}
 _ALLOWED_NODES: Final = (
     ast.Module, ast.FunctionDef, ast.arguments, ast.arg, ast.Return, ast.If, ast.Try, ast.ExceptHandler,
@@ -534,7 +578,10 @@ _ALLOWED_NODES: Final = (
 
 def _generate(conditions: list[_Plan], file_plans: list[_Plan], malformed: list[_Plan], lane: LogLane) -> _Generated:
     context = SourceContext(maps={"record": _RECORD, "first": _FIRST}, meta=_META)
+    from processor.report import printable
+
     helpers: dict[str, Any] = {
+        "_p": _printable,
         "_Error": EvaluationError,
         "_text": _text,
         "_cut": _cut,
@@ -609,7 +656,8 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], malformed: list[
     check = namespace["check"]
 
     all_plans = (*conditions, *file_plans)
-    messages = []
+    messages: list[Callable[..., str]] = []
+    printed_messages: list[Callable[..., str]] = []
     for position, plan in enumerate(all_plans):
         condition = plan.condition if position < len(conditions) else plan.then
         facts: frozenset[tuple[str, str, str]] = frozenset()
@@ -618,12 +666,19 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], malformed: list[
                 facts = facts_when_true(condition.tree, condition.constants)
             except Unsupported:
                 facts = frozenset()
-        messages.append(_message(plan.rule.message, context, helpers, facts=facts, position=position, lane=lane))
+        message, printed = _message(plan.rule.message, context, helpers, facts=facts, position=position, lane=lane)
+        messages.append(message)
+        printed_messages.append(printed)
     return _Generated(
         check=check,
         messages=tuple(messages),
-        heads=tuple(f"{p.id} {p.name}: " for p in all_plans),
+        printed=tuple(printed_messages),
+        heads=tuple(printable(f"{p.id} {p.name}: ") for p in all_plans),
         plans=all_plans,
+        rank=tuple(
+            sorted(range(len(all_plans)), key=lambda position: (all_plans[position].id, position)).index(p)
+            for p in range(len(all_plans))
+        ),
         exact=exact,
         fallback=fallback,
     )
@@ -649,11 +704,22 @@ def _message(
     facts: frozenset[tuple[str, str, str]],
     position: int,
     lane: LogLane,
-) -> Callable[..., str]:
+) -> tuple[Callable[..., str], Callable[..., str]]:
+    """``m(r, f, line, t)``: the message; ``p(...)``: the same for a terminal, control characters escaped.
+
+    The text report escapes what it prints (processor.report.printable). Escaping is per
+    character, so the escaped literals and escaped holes make the escaped message: the
+    literals are escaped here, once, and only the holes' values at run time (checking a
+    whole line costs more than finding and formatting the violation).
+    """
+    from processor.report import printable
+
     pieces: list[str] = []
+    escaped: list[str] = []
     for index, part in enumerate(template.parts):
         if isinstance(part, str):
             pieces.append(repr(part))
+            escaped.append(repr(printable(part)))
             continue
         written = None
         if part.tree is not None:
@@ -661,16 +727,44 @@ def _message(
                 written = python_source(part.tree, part.constants, context, facts)
             except Unsupported:
                 written = None
+        limit = template.max_value_chars
         if written is None:
             name = f"_hole{position}_{index}"
-            helpers[name] = _fallback_hole(part, template.max_value_chars, lane)
-            pieces.append(f"{name}(r, f, line, t)")
+            helpers[name] = _fallback_hole(part, limit, lane)
+            hole = f"{name}(r, f, line, t)"
         elif written.types == frozenset({str}):
-            pieces.append(f"_cut({written.code}, {template.max_value_chars})")
+            if written.code.count("[") == 1 and written.code.endswith("]"):  # r['field']: read twice, called rarely
+                hole = f"({written.code} if len({written.code}) <= {limit} else _cut({written.code}, {limit}))"
+            else:
+                hole = f"_cut({written.code}, {limit})"
         else:
-            pieces.append(f"_text({written.code}, {template.max_value_chars})")
+            hole = f"_text({written.code}, {limit})"
+        pieces.append(hole)
+        escaped.append(f"_p({hole})")
     body = " + ".join(pieces) if pieces else "''"
-    namespace = _compile(f"def m(r, f, line, t):\n    return {body}\n", helpers, context)
+    body_escaped = " + ".join(escaped) if escaped else "''"
+    source = f"def m(r, f, line, t):\n    return {body}\ndef p(r, f, line, t):\n    return {body_escaped}\n"
+    namespace = _compile(source, helpers, context)
+    return namespace["m"], namespace["p"]
+
+
+def _malformed_message(template: MessageTemplate, helpers: dict[str, Any]) -> Callable[[str, int], str] | None:
+    """A ``malformed`` rule's message as ``m(problem, line)``; None when a hole is not translated (render runs)."""
+    context = SourceContext(maps={}, meta=_MALFORMED_META)
+    pieces: list[str] = []
+    for part in template.parts:
+        if isinstance(part, str):
+            pieces.append(repr(part))
+            continue
+        if part.tree is None:
+            return None
+        try:
+            written = python_source(part.tree, part.constants, context)
+        except Unsupported:
+            return None
+        pieces.append(f"_text({written.code}, {template.max_value_chars})")
+    body = " + ".join(pieces) if pieces else "''"
+    namespace = _compile(f"def m(problem, line):\n    return {body}\n", helpers, context)
     return namespace["m"]  # type: ignore[no-any-return]
 
 
@@ -705,7 +799,9 @@ def _view_maker(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], dict[str,
 def _compile(source: str, helpers: dict[str, Any], context: SourceContext) -> dict[str, Any]:
     helpers.update(context.constants)
     tree = ast.parse(source, mode="exec")
-    _check_source(tree, set(helpers) | {"r", "f", "line", "t", "hits", "type", "str", "len", "v", "key", "found"})
+    _check_source(
+        tree, set(helpers) | {"r", "f", "line", "t", "hits", "type", "str", "len", "v", "key", "found", "problem"}
+    )
     namespace: dict[str, Any] = {"__builtins__": {"type": type, "str": str, "len": len}, **helpers}
     exec(compile(tree, "<durable-check rules>", "exec"), namespace)  # noqa: S102 (checked source, see _check_source)
     return namespace
@@ -728,6 +824,11 @@ def _text(value: Any, limit: int) -> str:
     """MessageTemplate.render's text of one value."""
     text = "null" if value is None else ("true" if value is True else "false" if value is False else str(value))
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _printable(text: str) -> str:
+    """processor.report.printable for a short value: most need no escaping, and say so cheaply."""
+    return text if text.isascii() and text.isprintable() else text.translate(CONTROL_ESCAPES)
 
 
 def _cut(text: str, limit: int) -> str:

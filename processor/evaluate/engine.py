@@ -89,7 +89,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from hashlib import blake2b as _blake2b
 from itertools import repeat
-from typing import Any, Final, Literal, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol, cast
 
 from processor.errors import EvaluationError
 from processor.evaluate.cel import CompiledExpression
@@ -113,8 +113,10 @@ from processor.state.session import (
     prov_identity,
 )
 from processor.summary import EngineSummary, OpenWait, SessionEnd, SessionSummary
-from processor.telemetry import Telemetry
 from processor.violations import Violation, make_violation_id, record_identity
+
+if TYPE_CHECKING:
+    from processor.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

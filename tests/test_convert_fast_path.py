@@ -82,6 +82,8 @@ _SPAN = st.fixed_dictionaries(
         "start": _TIMES,
         "error": st.booleans(),
         "event": st.one_of(st.none(), st.dictionaries(st.sampled_from(_KEYS[:6]), _VALUES, max_size=3)),
+        # Attributes no profile reads: past a few dozen, the reading asks for wanted keys instead of walking.
+        "padding": st.sampled_from([0, 40]),
     }
 )
 _RESOURCE = st.dictionaries(
@@ -107,6 +109,7 @@ def _request(resources: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> Ex
             span.start_time_unix_nano = spec["start"]
             if spec["error"]:
                 span.status.code = 2
+            add_attributes(span.attributes, {f"app.noise.{n}": n for n in range(spec.get("padding", 0))})
             add_attributes(span.attributes, spec["attributes"])
             if spec["event"] is not None:
                 event = span.events.add()

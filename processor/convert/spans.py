@@ -68,6 +68,9 @@ _NAME_LIMIT: Final = 200
 _ORDERS_LIMIT: Final = 1024
 # Records a framework's span implies (convert/frameworks.py) are numbered from here, past any event index.
 _DERIVED_INDEX: Final = 1 << 24
+# A span with more attributes than this is asked for each wanted key rather than walked (measured:
+# a map lookup costs about half of what creating and hashing one key string does).
+_WALK_KEYS_UP_TO: Final = 24
 # The event name's bytes not followed by "." (see _may_hold_durable_events).
 _DURABLE_EVENT_NAME_ALONE: Final = re.compile(re.escape(DURABLE_EVENT_NAME.encode()) + rb"(?!\.)")
 
@@ -122,6 +125,7 @@ class SpanConverter:
         if self._frameworks:
             wanted |= frameworks.KEYS
         self._wanted = frozenset(wanted)
+        self._wanted_keys = tuple(sorted(self._wanted))
         self._resource_wanted = frozenset(wanted | RESOURCE_KEYS)
         self._verdicts = tuple(profile.verdict for profile in self._profiles)
         self._session_keys = tuple(key for profile in self._profiles for key in profile.session_keys)
@@ -205,6 +209,7 @@ class SpanConverter:
     def _convert_mapped(self, request: Any, origin: str, seq_start: int, events: bool) -> ConvertResult:
         out = ConvertResult()
         wanted = self._wanted
+        wanted_keys = self._wanted_keys
         unknown_fields = UnknownFieldSet
         spans_total = spans_not_actions = 0
         for resource_spans in request.resource_spans:
@@ -218,8 +223,13 @@ class SpanConverter:
                     if unknown_fields(span):
                         raise _NeedsOfficialReading
                     attributes = span.attributes
-                    # The keys are compared in C; only the values wanted are fetched.
-                    keys = wanted.intersection(attributes)
+                    # The keys are compared in C; only the values wanted are fetched. Past a few
+                    # dozen attributes, asking the map for each wanted key beats walking its keys.
+                    keys: frozenset[str] | list[str]
+                    if len(attributes) <= _WALK_KEYS_UP_TO:
+                        keys = wanted.intersection(attributes)
+                    else:
+                        keys = [key for key in wanted_keys if key in attributes]
                     if not keys and plain_resource and not (events and len(span.events) > 0):
                         spans_not_actions += 1  # HTTP, database, ...: nothing any profile reads
                         continue

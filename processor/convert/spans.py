@@ -10,6 +10,10 @@ the rules need.
 One record per span attempt (``source="span"``), plus one per span event named
 ``durable.action``. Spans no profile recognises (HTTP, database, agent containers)
 are counted, not converted.
+
+Serialized requests take a faster road for the usual span (``_convert_plain``: one
+pass, nothing to explain or link); ``_convert_span`` is the general path and the
+reference the tests compare it with.
 """
 
 from __future__ import annotations

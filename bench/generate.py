@@ -19,6 +19,7 @@ Sessions interleave as they do in a collector's output: a pool of concurrently
 active sessions, each span stamped from one clock that only moves forward.
 
     python -m bench.generate otlp  --spans 100000 OUT       # length-prefixed proto stream
+    python -m bench.generate otlp  --spans 100000 --extra-attributes 30 OUT   # more attributes a span
     python -m bench.generate actions --records 100000 OUT   # skill-format JSON lines
 """
 
@@ -321,8 +322,33 @@ def _set_value(value_message: Any, value: Any) -> None:
         value_message.string_value = value
 
 
-def encode_request(specs: list[SpanSpec]) -> ExportTraceServiceRequest:
-    """One request; one ResourceSpans per pod present, spans in the given order within each."""
+def extra_attributes(count: int) -> list[tuple[str, Any]]:
+    """``count`` attributes of the kind instrumentations add in bulk and no profile reads.
+
+    OpenInference flattens a model call's input messages into indexed keys, and frameworks
+    add tags and counters; a dump of such spans holds several times the attributes of the
+    story's own. The same on every span: what varies between dumps is how many there are.
+    """
+    out: list[tuple[str, Any]] = []
+    for n in range(count):
+        slot = n % 4
+        if slot == 0:
+            out.append((f"llm.input_messages.{n // 4}.message.role", "user" if n % 8 == 0 else "assistant"))
+        elif slot == 1:
+            out.append((f"llm.input_messages.{n // 4}.message.content", PROMPT))
+        elif slot == 2:
+            out.append((f"app.tag.{n}", f"tag-value-{n}"))
+        else:
+            out.append((f"app.counter.{n}", n * 1_000))
+    return out
+
+
+def encode_request(specs: list[SpanSpec], extra: int = 0) -> ExportTraceServiceRequest:
+    """One request; one ResourceSpans per pod present, spans in the given order within each.
+
+    ``extra``: attributes no profile reads added to every span (see ``extra_attributes``).
+    """
+    extras = extra_attributes(extra)
     request = ExportTraceServiceRequest()
     scopes: dict[int, Any] = {}
     for spec in specs:
@@ -346,7 +372,7 @@ def encode_request(specs: list[SpanSpec]) -> ExportTraceServiceRequest:
         span.kind = 3 if spec.name.startswith(("GET", "SELECT")) else 1  # CLIENT, INTERNAL
         span.start_time_unix_nano = spec.time_ns
         span.end_time_unix_nano = spec.time_ns + 400_000
-        for key, value in spec.attributes:
+        for key, value in (*spec.attributes, *extras):
             kv = span.attributes.add()
             kv.key = key
             _set_value(kv.value, value)
@@ -355,7 +381,7 @@ def encode_request(specs: list[SpanSpec]) -> ExportTraceServiceRequest:
     return request
 
 
-def otlp_requests(spans: int, sessions: int, seed: int = 7) -> Iterator[tuple[bytes, list[SpanSpec]]]:
+def otlp_requests(spans: int, sessions: int, seed: int = 7, extra: int = 0) -> Iterator[tuple[bytes, list[SpanSpec]]]:
     """Serialized requests of 512 spans (the last may be short) and the specs they hold."""
     turns = max(1, -(-spans // (sessions * SPANS_PER_TURN)))
     story = Story(sessions, turns, seed)
@@ -363,12 +389,12 @@ def otlp_requests(spans: int, sessions: int, seed: int = 7) -> Iterator[tuple[by
     for produced, spec in enumerate(story.spans(), 1):
         batch.append(spec)
         if len(batch) == SPANS_PER_REQUEST:
-            yield encode_request(batch).SerializeToString(), batch
+            yield encode_request(batch, extra).SerializeToString(), batch
             batch = []
         if produced >= spans:
             break
     if batch:
-        yield encode_request(batch).SerializeToString(), batch
+        yield encode_request(batch, extra).SerializeToString(), batch
 
 
 @dataclass(slots=True)
@@ -390,13 +416,16 @@ def flaws_path(dump: Path) -> Path:
     return dump.with_name(dump.name + ".flaws.json")
 
 
-def write_otlp_stream(path: Path, spans: int, sessions: int, seed: int = 7) -> DumpStats:
-    """The Collector file exporter's ``format: proto``: each request after its 4-byte big-endian length."""
+def write_otlp_stream(path: Path, spans: int, sessions: int, seed: int = 7, extra: int = 0) -> DumpStats:
+    """The Collector file exporter's ``format: proto``: each request after its 4-byte big-endian length.
+
+    ``extra``: attributes no profile reads added to every span (a dump with more attributes a span).
+    """
     stats = DumpStats(sessions=sessions)
     flaws: list[list[tuple[str, str]]] = []
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     with tmp.open("wb") as out:
-        for payload, specs in otlp_requests(spans, sessions, seed):
+        for payload, specs in otlp_requests(spans, sessions, seed, extra):
             out.write(struct.pack(">I", len(payload)))
             out.write(payload)
             stats.requests += 1
@@ -404,7 +433,7 @@ def write_otlp_stream(path: Path, spans: int, sessions: int, seed: int = 7) -> D
             flawed: list[tuple[str, str]] = []
             for spec in specs:
                 stats.spans += 1
-                stats.attributes += len(spec.attributes)
+                stats.attributes += len(spec.attributes) + extra
                 if spec.action_id is not None:
                     stats.actions += 1
                     if spec.flaw is not None:
@@ -632,9 +661,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=100_000, help="actions: lines to write; rules: rules")
     parser.add_argument("--sessions", type=int, default=1_000)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--extra-attributes", type=int, default=0, help="otlp: attributes no profile reads, per span")
     args = parser.parse_args(argv)
     if args.what == "otlp":
-        stats = write_otlp_stream(args.out, args.spans, args.sessions, args.seed)
+        stats = write_otlp_stream(args.out, args.spans, args.sessions, args.seed, args.extra_attributes)
     elif args.what == "actions":
         stats = write_action_log(args.out, args.records, args.sessions, args.seed)
     else:

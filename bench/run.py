@@ -6,7 +6,9 @@ Sections (rows of the table):
 
 - ``replay_otlp``: ``durable-check replay --format json --input-format otlp-proto-stream``
   over a generated Collector proto dump, beside ``bench.limits otlp`` (parse the same
-  requests, read the attributes conversion needs, nothing else).
+  requests, read the attributes conversion needs, nothing else); then the same over a
+  dump of the same story whose spans carry 30 more attributes each that no profile reads
+  (flattened input messages, tags, counters), where the limit loop walks them all.
 - ``replay_actions``: replay of an action log, beside a plain ``json.loads`` loop.
 - ``replay_skill``: replay of logs of the skill's own shape, one with few flaws (4% of
   lines) and one flaw-heavy (about 0.85 violations per line), with the skill's pack
@@ -54,7 +56,7 @@ OUT: Final = ROOT / "bench" / "out"
 SECTIONS: Final = ("replay_otlp", "replay_actions", "replay_skill", "replay_rss", "live", "memory", "rules")
 # Every row the table has, whatever the size (tests/test_bench_smoke.py checks them).
 ROW_KEYS: Final = (
-    "replay_otlp.rate", "replay_otlp.rss", "replay_actions.rate", "replay_actions.rss",
+    "replay_otlp.rate", "replay_otlp.rss", "replay_otlp.wide", "replay_actions.rate", "replay_actions.rss",
     "replay_skill.clean.pack", "replay_skill.clean.all", "replay_skill.flaws.pack", "replay_skill.flaws.all",
     "replay_skill.violation", "replay_skill.shapes",
     "replay_rss.small", "replay_rss.large", "live.sustained", "live.sustained.other",
@@ -90,6 +92,9 @@ RULE_COUNTS: Final = (10, 50, 200)
 
 # Targets, stated once: (comparison, threshold).
 TARGET_OTLP_RATIO: Final = 0.6
+# The second OTLP dump: the same story with this many more attributes a span that no profile reads.
+WIDE_EXTRA_ATTRIBUTES: Final = 30
+WIDE_SPANS_LIMIT: Final = 102_400
 TARGET_ACTIONS_RATIO: Final = 2.0
 # replay --pack durable-sessions beside the skill's checks inline; all shipped packs; one violation.
 TARGET_SKILL_PACK_RATIO: Final = 2.0
@@ -182,12 +187,13 @@ def data_dir() -> Path:
     return path
 
 
-def otlp_dump(spans: int, sessions: int, log: Callable[[str], None]) -> tuple[Path, dict[str, int]]:
-    path = data_dir() / f"otlp-{spans}-{sessions}-v{generate.GENERATOR_VERSION}.bin"
+def otlp_dump(spans: int, sessions: int, log: Callable[[str], None], extra: int = 0) -> tuple[Path, dict[str, int]]:
+    wide = f"-x{extra}" if extra else ""
+    path = data_dir() / f"otlp-{spans}-{sessions}{wide}-v{generate.GENERATOR_VERSION}.bin"
     sidecar = generate.flaws_path(path)
     if not (path.exists() and sidecar.exists()):
         log(f"generating {spans:,} spans of {sessions:,} sessions into {path.relative_to(ROOT)} ...")
-        generate.write_otlp_stream(path, spans, sessions)
+        generate.write_otlp_stream(path, spans, sessions, extra=extra)
     stats: dict[str, int] = orjson.loads(sidecar.read_bytes())["stats"]
     return path, stats
 
@@ -329,7 +335,24 @@ def section_replay_otlp(size: Size, runs: int, log: Callable[[str], None], detai
             f">= {TARGET_OTLP_RATIO}x limit", ratio >= TARGET_OTLP_RATIO),
         Row("replay_otlp.rss", "replay OTLP: peak RSS", result["replay_peak_rss_mib"], "MiB",
             f"{result['limit_peak_rss_mib']:,.1f} MiB (limit loop)"),
+        _replay_otlp_wide(size, runs, log, details),
     ]
+
+
+def _replay_otlp_wide(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> Row:
+    """The same story, each span carrying WIDE_EXTRA_ATTRIBUTES more attributes that no profile reads."""
+    # At most 102,400 spans: at full size a million such spans would be a 2 GB file.
+    path, stats = otlp_dump(min(size.spans, WIDE_SPANS_LIMIT), size.sessions, log, extra=WIDE_EXTRA_ATTRIBUTES)
+    per_span = stats["attributes"] / stats["spans"]
+    log(f"replay_otlp (wide): {stats['spans']:,} spans, {per_span:.1f} attributes a span")
+    result = replay_vs_limit(path, "otlp-proto-stream", "otlp", items=stats["spans"],
+                             expected_actions=stats["actions"], runs=runs)
+    result["input"] = stats
+    details["replay_otlp_wide"] = result
+    ratio = result["ratio"]
+    return Row("replay_otlp.wide", f"replay OTLP proto stream, {per_span:.0f} attributes a span", result["replay_rate"],
+               "spans/CPU-s", f"{result['limit_rate']:,.0f} spans/CPU-s (parse + read needed attributes)", ratio,
+               f">= {TARGET_OTLP_RATIO}x limit", ratio >= TARGET_OTLP_RATIO)
 
 
 def section_replay_actions(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:

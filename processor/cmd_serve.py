@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     store = build_store(config)  # StateError (locked, corrupt, unwritable): a message, exit 2
     pipeline = build_pipeline(config, telemetry, store)
     server = Server(config, pipeline, telemetry, store)
+    import asyncio  # here: replay and the rules commands never need it
+
     try:
         import asyncio
 

@@ -86,3 +86,25 @@ def test_generated_rules_load_through_the_real_loader(tmp_path: Path) -> None:
     path.write_text(rule_file_text(50), encoding="utf-8")
     ruleset = load_rules([path], include_shipped=False)
     assert len(ruleset.rules) == 50
+
+
+def test_the_wide_dump_tells_the_same_story_with_more_attributes(tmp_path: Path) -> None:
+    """The second OTLP dump adds attributes no profile reads: the same actions come out of both."""
+    from bench.generate import extra_attributes, read_otlp_stream
+    from processor.convert import SpanConverter
+
+    narrow, wide = tmp_path / "n.bin", tmp_path / "w.bin"
+    narrow_stats = write_otlp_stream(narrow, 1_200, 10)
+    wide_stats = write_otlp_stream(wide, 1_200, 10, extra=30)
+    assert wide_stats.attributes == narrow_stats.attributes + 30 * wide_stats.spans
+    converter = SpanConverter()
+    assert not [key for key, _ in extra_attributes(30) if converter.reads_attribute(key)]
+
+    def records(path: Path) -> list[object]:
+        out: list[object] = []
+        for payload in read_otlp_stream(path):
+            out += [action.record for action in converter.convert_serialized(payload, "dump").actions]
+        return out
+
+    assert records(wide) == records(narrow)
+    assert len(records(wide)) == wide_stats.actions

@@ -10,6 +10,10 @@ the rules need.
 One record per span attempt (``source="span"``), plus one per span event named
 ``durable.action``. Spans no profile recognises (HTTP, database, agent containers)
 are counted, not converted.
+
+Serialized requests take a faster road for the usual span (``_convert_plain``: one
+pass, nothing to explain or link); ``_convert_span`` is the general path and the
+reference the tests compare it with.
 """
 
 from __future__ import annotations
@@ -68,6 +72,9 @@ _NAME_LIMIT: Final = 200
 _ORDERS_LIMIT: Final = 1024
 # Records a framework's span implies (convert/frameworks.py) are numbered from here, past any event index.
 _DERIVED_INDEX: Final = 1 << 24
+# A span with more attributes than this is asked for each wanted key rather than walked (measured:
+# a map lookup costs about half of what creating and hashing one key string does).
+_WALK_KEYS_UP_TO: Final = 24
 # The event name's bytes not followed by "." (see _may_hold_durable_events).
 _DURABLE_EVENT_NAME_ALONE: Final = re.compile(re.escape(DURABLE_EVENT_NAME.encode()) + rb"(?!\.)")
 
@@ -122,6 +129,7 @@ class SpanConverter:
         if self._frameworks:
             wanted |= frameworks.KEYS
         self._wanted = frozenset(wanted)
+        self._wanted_keys = tuple(sorted(self._wanted))
         self._resource_wanted = frozenset(wanted | RESOURCE_KEYS)
         self._verdicts = tuple(profile.verdict for profile in self._profiles)
         self._session_keys = tuple(key for profile in self._profiles for key in profile.session_keys)
@@ -205,19 +213,36 @@ class SpanConverter:
     def _convert_mapped(self, request: Any, origin: str, seq_start: int, events: bool) -> ConvertResult:
         out = ConvertResult()
         wanted = self._wanted
+        wanted_keys = self._wanted_keys
         unknown_fields = UnknownFieldSet
         spans_total = spans_not_actions = 0
         for resource_spans in request.resource_spans:
             out.resource_spans += 1
             resource = self._read_resource(resource_spans.resource)
+            # A resource that names a session marks its spans; one with problems spoils them: both general.
+            plain_resource = not (resource.names_session or resource.problems)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     spans_total += 1
                     if unknown_fields(span):
                         raise _NeedsOfficialReading
                     attributes = span.attributes
-                    # The keys are compared in C; only the values wanted are fetched.
-                    found = {key: attributes[key] for key in wanted.intersection(attributes)}
+                    # The keys are compared in C; only the values wanted are fetched. Past a few
+                    # dozen attributes, asking the map for each wanted key beats walking its keys.
+                    keys: frozenset[str] | list[str]
+                    if len(attributes) <= _WALK_KEYS_UP_TO:
+                        keys = wanted.intersection(attributes)
+                    else:
+                        keys = [key for key in wanted_keys if key in attributes]
+                    if not keys and plain_resource and not (events and len(span.events) > 0):
+                        spans_not_actions += 1  # HTTP, database, ...: nothing any profile reads
+                        continue
+                    found = {key: attributes[key] for key in keys}
+                    if plain_resource and not (events and len(span.events) > 0):
+                        converted = self._convert_plain(span, found, resource, origin, seq_start, out)
+                        if converted is not None:
+                            spans_not_actions += not converted
+                            continue
                     if not self._convert_span(
                         span,
                         found,
@@ -232,6 +257,121 @@ class SpanConverter:
         out.spans_total = spans_total
         out.spans_not_actions = spans_not_actions
         return out
+
+    def _convert_plain(  # noqa: PLR0917 - the per-span hot path: positional on purpose
+        self, span: Any, found: dict[str, AnyValue], resource: _Resource, origin: str, seq_start: int,
+        out: ConvertResult,
+    ) -> bool | None:
+        """``_convert_span`` for the usual span, in one pass: True (an action), False (no action),
+        or None when the span needs the general path (a problem to tell, a framework's reading,
+        OpenInference links, an output-prefix scan). Nothing is appended before it decides.
+
+        The general path stays the reference: tests compare the two on random spans.
+        """
+        own: dict[str, Any] = {}
+        marked = False
+        if self._durable_keys:
+            specs = _DURABLE_SPECS
+            for key in self._durable_keys.intersection(found):
+                field_name, probe, expected = specs[key]
+                value = found[key]
+                usual = getattr(value, probe)
+                if not usual:
+                    ok, usual = typed(value, expected)
+                    if not ok:
+                        return None  # a problem to tell
+                own[field_name] = usual
+                if field_name != "session_id":
+                    marked = True
+        if self._frameworks and not frameworks.KEYS.isdisjoint(found):
+            return None
+        verdict: Verdict | None = None
+        if found:
+            telemetry_is_log = self.options.telemetry_is_log
+            for profile_verdict in self._verdicts:
+                verdict = profile_verdict(found, telemetry_is_log)
+                if verdict is not None:
+                    break
+            if verdict is not None and verdict.kind == CONTAINER:
+                verdict = None
+        if not (marked or verdict is not None):
+            if found:
+                self._mark_session(span, own, found, resource, out)
+            return False
+        if verdict is not None and (
+            (self._link_tools and OI_SPAN_KIND in found)
+            or (verdict.kind == "llm_call" and not verdict.result_recorded and self._scan_output_prefix)
+        ):
+            return None
+
+        trace_id: bytes = span.trace_id
+        span_id: bytes = span.span_id
+        if len(trace_id) != 16 or trace_id == _ZERO_TRACE_ID or len(span_id) != 8 or span_id == _ZERO_SPAN_ID:
+            return None
+        defaults = resource.defaults
+        merged = {**defaults, **own} if defaults else own
+        kind = merged.get("kind") if merged else None
+        if not kind and verdict is not None:
+            kind = verdict.kind
+            if kind == "tool_call" and verdict.tool_name:
+                kind = self._classifier.classify(verdict.tool_name) or kind
+        if not kind:
+            return None
+
+        session = own.get("session_id")
+        if session:
+            session, named = str(session), True
+        else:
+            session, named = self._session(own, found, resource, span)
+        action_id = _first_text(own, found, self._action_id_keys)
+        trace_hex = trace_id.hex()
+        span_hex = span_id.hex()
+        synthetic = not action_id
+        if synthetic:
+            action_id = f"span-{span_hex}"
+        default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
+        if merged:
+            record: Record = {
+                "session_id": session,
+                "action_id": action_id,
+                "kind": kind,
+                "status": merged.get("status") or default_status,
+            }
+            recorded = merged.get("result")
+            if recorded is True or (recorded is None and verdict is not None and verdict.result_recorded):
+                record["result"] = None
+            for name in self._field_order(tuple(merged)):
+                record[name] = merged[name]
+        else:
+            record = {"session_id": session, "action_id": action_id, "kind": kind, "status": default_status}
+            if verdict is not None and verdict.result_recorded:
+                record["result"] = None
+        time_ns: int = span.start_time_unix_nano
+        if time_ns > INT64_MAX:
+            time_ns = 0  # as _build: past the signed 64-bit range the time is unknown
+        if time_ns:
+            record["time"] = self._format_time(time_ns)
+        record["trace_id"] = trace_hex
+        record["span_id"] = span_hex
+        if resource.service is not None:
+            record["service"] = resource.service
+        if resource.instance is not None:
+            record["instance"] = resource.instance
+        action = Action(
+            record,
+            "span",
+            origin,
+            None,
+            time_ns or None,
+            seq_start + len(out.actions),
+            (trace_hex, span_hex, 0),
+            synthetic,
+            # tuple.__new__ skips the NamedTuple's Python-level __new__: this runs for every action.
+            tuple.__new__(SpanLinks, (span.parent_span_id.hex(), named, None, ())),
+        )
+        out.actions.append(action)
+        out.items.append(action)
+        return True
 
     # -- resource -------------------------------------------------------------------------
 

@@ -166,6 +166,7 @@ class IdentityResolver:
         """
         out: list[Action | Malformed] = []
         state = self.state
+        traces = state.traces
         for item in items:
             if isinstance(item, Malformed):
                 out.append(item)
@@ -186,8 +187,25 @@ class IdentityResolver:
             if links is None or item.delivery_key is None:
                 out.append(item)
                 continue
-            trace = self._trace(item.delivery_key[0], time_ns)
-            span_id = item.delivery_key[1]
+            trace_id, span_id, _ = item.delivery_key
+            known = traces.get(trace_id)
+            if known is None:
+                trace = self._trace(trace_id, time_ns)
+            else:  # _trace's update of a known trace, inline: this runs for every span
+                trace = known
+                traces.move_to_end(trace_id)
+                trace.plain = None
+                if time_ns is not None and time_ns > trace.last_ns:
+                    trace.last_ns = time_ns
+            if links.session_named and links.tool_name is None and not links.offered:
+                # Nothing to resolve (the usual span names its session): remembered for its trace, passed on.
+                self._remember(trace, span_id, links.parent_span_id, item.session_id, ancestor=True)
+                out.append(item)
+                if trace.held:
+                    self._retry(trace, out)
+                if self._pending_release:
+                    self._flush_forgotten(out)
+                continue
             if links.session_named:
                 self._remember(trace, span_id, links.parent_span_id, item.session_id, ancestor=True)
             if links.offered:

@@ -63,8 +63,6 @@ def run(args: argparse.Namespace) -> int:
     import asyncio  # here: replay and the rules commands never need it
 
     try:
-        import asyncio
-
         asyncio.run(serve_until_signalled(server))
     except OSError as exc:
         # An address in use or not available: a user's setting, not a crash.

@@ -2,7 +2,10 @@
 
 An expression is parsed once, checked once against an :class:`Environment`, and
 compiled into nested closures; evaluating it against a record costs a few Python
-calls, not an interpreter walk. Python's eval/exec/compile are never used.
+calls, not an interpreter walk. The closures use no eval/exec/compile;
+:func:`python_source` writes an expression as Python source only where that is exact,
+for the action-log lane, which checks the source before it compiles it
+(``processor.evaluate.loglane``).
 
     env = Environment(variables={"record": "map", "lists": "map"},
                       known_fields={"record": frozenset({"kind", "status", "result"})},

@@ -11,6 +11,7 @@ session that would expire or be evicted), where replay starts again on the engin
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ def _write(directory: str, name: str, lines: list[bytes]) -> str:
 
 @pytest.mark.parametrize("mode", [[], ["--strict"]], ids=["default", "strict"])
 @pytest.mark.parametrize("fmt", ["text", "json"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("LANE_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=_logs)
 def test_the_skill_pack_gives_the_engine_report(
     lines: list[bytes], mode: list[str], fmt: str, capsys: pytest.CaptureFixture[str]
@@ -103,7 +104,7 @@ _more = st.lists(st.one_of(_timed, _record.map(orjson.dumps)), min_size=1, max_s
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("LANE_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(first=_more, second=_logs)
 def test_translated_and_refused_rules_over_two_inputs(
     first: list[bytes], second: list[bytes], fmt: str, capsys: pytest.CaptureFixture[str]

@@ -91,15 +91,19 @@ from hashlib import blake2b as _blake2b
 from itertools import repeat
 from typing import Any, Final, Literal, NamedTuple, Protocol, cast
 
+from xxhash import xxh3_128_intdigest as _xxh3_128
+
 from processor.errors import EvaluationError
 from processor.evaluate.cel import CompiledExpression
 from processor.evaluate.identity import IdentityResolver, IdentityState
+from processor.evaluate.kept_digests import equality_only_fields
 from processor.evaluate.model import Rule, RuleSet
 from processor.records import FIELD_TYPES, NONDETERMINISTIC_KINDS, SIDE_EFFECT_KINDS, Action, Malformed, SessionMark
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
 from processor.state.memory import MemoryStore
 from processor.state.session import (
     MISSING,
+    NO_GROUP,
     CountState,
     FiredWaits,
     GroupKey,
@@ -110,7 +114,9 @@ from processor.state.session import (
     StateKind,
     Wait,
     group_key,
+    key_digest,
     prov_identity,
+    value_digest,
 )
 from processor.summary import EngineSummary, OpenWait, SessionEnd, SessionSummary
 from processor.telemetry import Telemetry
@@ -191,6 +197,7 @@ class _Plan:
         "condition",
         "condition_fn",
         "deadline",
+        "digest_at",
         "field",
         "file_scope",
         "first",
@@ -260,6 +267,18 @@ class _Plan:
         # A violation may later be reported on the opening record, long after it is gone.
         self.needs_prov = rule.type == "absence" or (rule.type == "sequence" and self.report_first)
         self.compact = rule.type == "sequence" and self.within_ns is None and not self.report_first
+        # Kept fields that ``then`` only tests or compares for equality, and nothing renders:
+        # long strings there are kept as 8-byte digests (see processor.evaluate.kept_digests).
+        digestible: frozenset[str] = frozenset()
+        if rule.then is not None and rule.type in ("sequence", "absence") and "*" not in kept:
+            # A fired absence renders its kept fields as ``record`` too.
+            views = ("first", "record") if rule.type == "absence" else ("first",)
+            rendered = {
+                f for part in rule.message.parts if not isinstance(part, str) for v, f in part.references if v in views
+            }
+            if "*" not in rendered:
+                digestible = equality_only_fields(rule.then.source) - rendered
+        self.digest_at = tuple(i for i, name in enumerate(self.first_names) if name in digestible)
         self.file_scope = rule.log_scope == "file"
 
 
@@ -463,9 +482,46 @@ def _delivery_digest(key: tuple[str, str, int]) -> bytes:
     return _blake2b(raw, digest_size=8).digest()
 
 
-def _file_digest(origin: str, action_id: str) -> bytes:
-    """A remembered (file, action id) pair in 16 bytes, whatever the length of the id."""
-    return _blake2b(f"{origin}\x1f{action_id}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def _file_digest(origin: str, action_id: str) -> int:
+    """A remembered (file, action id) pair as a 128-bit int, whatever the length of the id.
+
+    128 bits, not the 64 of a session's group keys: one file may name many millions of ids.
+    """
+    return _xxh3_128(f"{origin}\x1f{action_id}".encode("utf-8", "surrogatepass"))
+
+
+# Kept strings at least this long are digested (an 8-byte bytes object is 41 bytes; a str of
+# 16 ASCII characters is 65): shorter ones, such as kinds, are shared between records anyway.
+_DIGEST_MIN_CHARS: Final = 16
+
+
+def _digest_kept(kept: tuple[Any, ...], at: tuple[int, ...]) -> tuple[Any, ...]:
+    """``kept`` with its long strings at ``at`` replaced by their 8-byte digests."""
+    values: list[Any] | None = None
+    for i in at:
+        value = kept[i]
+        if type(value) is str and len(value) >= _DIGEST_MIN_CHARS:
+            if values is None:
+                values = list(kept)
+            values[i] = value_digest(value)
+    return kept if values is None else tuple(values)
+
+
+def _undigested_view(plan: _Plan, kept: tuple[Any, ...], record: Mapping[str, Any]) -> dict[str, Any]:
+    """``first`` for ``then``: a digest becomes the record's own value when they match, else a
+    string equal to no record's value, so equality and presence tests answer as the value would."""
+    view = {n: v for n, v in zip(plan.first_names, kept, strict=True) if v is not MISSING}
+    for i in plan.digest_at:
+        stored = kept[i]
+        if type(stored) is not bytes:
+            continue
+        name = plan.first_names[i]
+        current = record.get(name)
+        if type(current) is str and value_digest(current) == stored:
+            view[name] = current
+        else:
+            view[name] = "\x00digest:" + stored.hex()
+    return view
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -556,7 +612,7 @@ class Engine:
         # file across its sessions, keyed by a fixed-size digest of (file, action id). Replay
         # only reads logs; this state is not the store's (a span never touches it).
         self._file_plans = tuple(p for p in self._stateful_plans if p.file_scope)
-        self._file_groups: dict[int, dict[bytes, tuple[Any, ...]]] = {p.index: {} for p in self._file_plans}
+        self._file_groups: dict[int, dict[int, tuple[Any, ...]]] = {p.index: {} for p in self._file_plans}
         self._no_kept: dict[int, tuple[Any, ...]] = {p.index: (MISSING,) * len(p.first_names) for p in self._file_plans}
         kinds = [cast(StateKind, p.kind) for p in self._stateful_plans]
         self.schema = RuleSchema(
@@ -1020,19 +1076,17 @@ class Engine:
                         continue  # nothing to resolve or extend, and this record opens nothing
             if key_field is not None:
                 # ``record.<field>`` of a field the route knows is present: the value is the key.
-                value = record[key_field]
-                key = value if type(value) is str else group_key((value,))
+                key = key_digest(record[key_field])
                 handler(plan, action, session, key, out, first_possible=first_possible, then_possible=then_possible)
                 continue
             single = plan.group_fn
             try:
                 if single is not None:
-                    value = single(act)
-                    key = value if type(value) is str else group_key((value,))
+                    key = key_digest(single(act))
                 elif plan.group_by:
                     key = group_key([e.evaluate(act) for e in plan.group_by])
                 else:
-                    key = ""
+                    key = NO_GROUP
             except EvaluationError:
                 self._rule_error(plan, "group_by")
                 continue
@@ -1193,6 +1247,8 @@ class Engine:
 
     def _kept(self, plan: _Plan, record: Mapping[str, Any]) -> tuple[Any, ...]:
         kept = tuple(map(record.get, plan.first_names, repeat(MISSING)))
+        if plan.digest_at:
+            kept = _digest_kept(kept, plan.digest_at)
         cache = self._kept_cache
         try:
             shared = cache.get(kept)
@@ -1206,13 +1262,15 @@ class Engine:
             cache[kept] = kept
         return kept
 
-    @staticmethod
-    def _first_view(plan: _Plan, kept: tuple[Any, ...]) -> dict[str, Any]:
+    def _first_view(self, plan: _Plan, kept: tuple[Any, ...]) -> dict[str, Any]:
         """``first`` as a map. Expressions never mutate it, so one kept tuple (often shared) has one view.
 
         Keyed by identity, not equality (``(1,) == (True,)``); the entry holds the tuple, so its id
-        cannot be reused while the entry lives.
+        cannot be reused while the entry lives. A digested field reads as the current record's
+        value when the digests match, else as a string no record holds (see kept_digests).
         """
+        if plan.digest_at and any(type(kept[i]) is bytes for i in plan.digest_at):
+            return _undigested_view(plan, kept, self._act["record"])
         views = plan.views
         entry = views.get(id(kept))
         if entry is not None and entry[0] is kept:
@@ -1536,7 +1594,14 @@ class Engine:
         first_value = session.get_group(plan.index, key)
         if first_value is MISSING:
             # A list literal comes back as a new list each time; a tuple holds the same for less.
-            self._put(plan, session, key, tuple(value) if type(value) is list else value)
+            # A long string is only ever compared for equality: its digest answers that.
+            if type(value) is str and len(value) >= _DIGEST_MIN_CHARS:
+                self._put(plan, session, key, value_digest(value))
+            else:
+                self._put(plan, session, key, tuple(value) if type(value) is list else value)
+        elif type(first_value) is bytes:
+            if type(value) is not str or value_digest(value) != first_value:
+                self._emit(self._violation(plan, action, act, session), session, out)
         elif not _same_value(first_value, value):
             self._emit(self._violation(plan, action, act, session), session, out)
 

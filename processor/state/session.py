@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
 
 import orjson
+from xxhash import xxh3_64_digest as _xxh3_bytes
+from xxhash import xxh3_64_intdigest as _xxh3_int
 
 StateKind = Literal["sequence", "absence", "change", "count"]
 
@@ -81,29 +83,74 @@ def prov_identity(prov: Provenance) -> str:
     return f"span:{trace_id}:{span_id}:{index}"
 
 
-def group_key(values: Sequence[Any]) -> GroupKey:
-    """The hashable, plain key of a group from the evaluated ``group_by`` values.
+def key_digest(value: Any) -> int:
+    """The group key of one ``group_by`` value: a 64-bit digest, whatever the value's length.
 
-    A list or map value (unhashable) becomes its canonical JSON text, prefixed so it
-    cannot collide with a string value.
+    XXH3-64 of the value's canonical bytes: stable across processes and versions (state is
+    persisted; a restart must find the same groups), where ``hash()`` of a str is salted.
     """
+    if type(value) is str:
+        return _xxh3_int(value.encode("utf-8", "surrogatepass"))
+    return _xxh3_int(_canonical(value))
+
+
+def group_key(values: Sequence[Any]) -> int:
+    """The group key from the evaluated ``group_by`` values (one or several): a 64-bit digest."""
     if len(values) == 1:
-        return _scalar_key(values[0])
-    return tuple(_scalar_key(v) for v in values)
+        return key_digest(values[0])
+    # Each part length-prefixed, so that ("ab", "c") and ("a", "bc") differ.
+    parts = [_canonical(v) for v in values]
+    return _xxh3_int(b"\x00tuple:" + b"".join(len(p).to_bytes(4, "big") + p for p in parts))
 
 
-def _scalar_key(value: Any) -> Hashable:
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return "\x00json:" + orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=str).decode()
+def _canonical(value: Any) -> bytes:
+    """The bytes a group_by value is digested from: equal CEL values give equal bytes.
+
+    A string is its UTF-8; other values carry a tag after a NUL, which no id starts with.
+    Numbers compare as numbers in CEL (``1 == 1.0``), so an integral double is its integer;
+    a bool is not a number. A list or map is its canonical JSON.
+    """
+    if type(value) is str:
+        return value.encode("utf-8", "surrogatepass")
+    if value is None:
+        return b"\x00null"
+    if isinstance(value, bool):
+        return b"\x00true" if value else b"\x00false"
+    if isinstance(value, int):
+        return b"\x00int:%d" % value
+    if isinstance(value, float):
+        if value.is_integer():
+            return b"\x00int:%d" % int(value)
+        return b"\x00double:" + repr(value).encode()
+    if isinstance(value, str):
+        return str(value).encode("utf-8", "surrogatepass")
+    # The text of earlier versions' key for such a value, so a migrated key finds its group.
+    text = "\x00json:" + orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=str).decode()
+    return text.encode("utf-8", "surrogatepass")
+
+
+# A rule without group_by has one group per session.
+NO_GROUP: Final = key_digest("")
 
 
 def group_key_to_plain(key: GroupKey) -> Any:
-    return list(key) if isinstance(key, tuple) else key
+    """A digest key is written as a one-element list: earlier versions wrote the raw value
+    (a scalar, or a list of two or more for several group_by values), which is read back
+    and digested."""
+    return [key] if type(key) is int else (list(key) if isinstance(key, tuple) else key)
 
 
 def group_key_from_plain(value: Any) -> GroupKey:
-    return tuple(value) if isinstance(value, list) else value
+    if type(value) is list:
+        if len(value) == 1 and type(value[0]) is int:
+            return value[0]
+        return group_key(value)  # a raw key of several group_by values (earlier versions)
+    return key_digest(value)  # a raw scalar key (earlier versions)
+
+
+def value_digest(value: str) -> bytes:
+    """An equality-only kept string as 8 bytes (see ``RuleSchema.digested``)."""
+    return _xxh3_bytes(value.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,12 +184,27 @@ class RuleSchema:
             return None
 
 
+# The key of a kept-fields map naming the fields held as digests (no field name has a "#").
+DIGESTED_KEY: Final = "#digests"
+
+
 def first_to_plain(names: tuple[str, ...], values: tuple[Any, ...]) -> dict[str, Any]:
-    return {n: v for n, v in zip(names, values, strict=True) if v is not MISSING}
+    plain = {n: v for n, v in zip(names, values, strict=True) if v is not MISSING}
+    digested = [n for n, v in plain.items() if type(v) is bytes]
+    if digested:
+        for name in digested:
+            plain[name] = plain[name].hex()
+        plain[DIGESTED_KEY] = digested
+    return plain
 
 
 def first_from_plain(names: tuple[str, ...], plain: Mapping[str, Any]) -> tuple[Any, ...]:
-    return tuple(plain.get(n, MISSING) for n in names)
+    digested = plain.get(DIGESTED_KEY)
+    if not digested:
+        return tuple(plain.get(n, MISSING) for n in names)
+    return tuple(
+        bytes.fromhex(plain[n]) if n in digested and n in plain else plain.get(n, MISSING) for n in names
+    )
 
 
 def _prov_to_plain(prov: Provenance | None) -> list[Any] | None:
@@ -605,7 +667,8 @@ class SessionState:
 
 def _group_to_plain(kind: StateKind, names: tuple[str, ...], state: Any) -> dict[str, Any]:
     if kind == "change":
-        return {"value": state}
+        # A string first value is held as its digest (it is only compared for equality).
+        return {"digest": state.hex()} if type(state) is bytes else {"value": state}
     if isinstance(state, tuple):
         return {"first": first_to_plain(names, state), "time_ns": None, "prov": None, "reported": False}
     plain: dict[str, Any] = state.to_plain(names)
@@ -614,7 +677,7 @@ def _group_to_plain(kind: StateKind, names: tuple[str, ...], state: Any) -> dict
 
 def _group_from_plain(kind: StateKind, names: tuple[str, ...], compact: bool, plain: Mapping[str, Any]) -> Any:
     if kind == "change":
-        return plain["value"]
+        return bytes.fromhex(plain["digest"]) if "digest" in plain else plain["value"]
     if kind == "sequence" and compact:
         return first_from_plain(names, plain["first"])
     return _STATE_CLASSES[kind].from_plain(names, plain)

@@ -166,6 +166,9 @@ class EngineOptions:
     max_ended_sessions: int = 100_000
     # Absence waits that fired and may still be resolved later, per session (oldest forgotten first).
     max_fired_waits_per_session: int = 32
+    # Bound on groups and delivery keys across all sessions: past it the least recently active
+    # sessions forget their oldest, down to 95% of it (see Engine._trim_entries).
+    max_remembered_entries: int = 2_000_000
 
     def __post_init__(self) -> None:
         problems = []
@@ -175,7 +178,13 @@ class EngineOptions:
             problems.append("allowed_lateness_s must be >= 0")
         if not self.session_idle_timeout_s > 0:
             problems.append("session_idle_timeout_s must be > 0")
-        for name in ("max_sessions", "max_buffered_per_session", "max_groups_per_rule", "max_seen_per_session"):
+        for name in (
+            "max_sessions",
+            "max_buffered_per_session",
+            "max_groups_per_rule",
+            "max_seen_per_session",
+            "max_remembered_entries",
+        ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
         for name in ("max_ended_sessions", "max_fired_waits_per_session"):
@@ -399,6 +408,7 @@ _COUNTERS: Final = (
     "groups_dropped",
     "waits_resolved_late",
     "fired_waits_dropped",
+    "entries_dropped",
 )
 
 
@@ -654,6 +664,11 @@ class Engine:
         self._logged_errors: set[str] = set()
         self._last_eviction_log = 0.0
         self._evictions_unlogged = 0
+        # Groups and delivery keys of all sessions, as last counted (see _count_entries).
+        self._entries_total = 0
+        self._last_trim_log = 0.0
+        self._trimmed_unlogged = 0
+        self._tm_entries_dropped: dict[str, int] = {}
         # Telemetry accumulated over a batch, flushed once per batch.
         self._tm_actions: dict[tuple[str, str, str], int] = {}
         self._tm_violations: dict[tuple[str, str, str], int] = {}
@@ -686,6 +701,8 @@ class Engine:
         for session in self._store.load_sessions(self.schema):
             self._sessions[session.session_id] = session
             session.buffered = 0
+            session.entries = session.entry_count()
+            self._entries_total += session.entries
             if session.activity_ns is not None:
                 self._schedule_expiry(session.activity_ns + self._idle_ns, session.session_id)
             for _, _, wait in session.waits(self._absence_indices):
@@ -1028,6 +1045,7 @@ class Engine:
         else:
             self._ended_dropped += 1
         del self._sessions[session.session_id]
+        self._entries_total -= session.entries
         self._dirty.discard(session.session_id)
         self._deleted.add(session.session_id)
 
@@ -1731,6 +1749,7 @@ class Engine:
         for session_id in self._deleted:
             store.delete_session(session_id)
         self._deleted.clear()
+        self._count_entries()
         for session_id in self._dirty:
             session = sessions.get(session_id)
             if session is not None:
@@ -1740,6 +1759,83 @@ class Engine:
         store.commit()
         if self._telemetry is not None:
             self._flush_telemetry(self._telemetry)
+
+    # -- the global bound on remembered entries -------------------------------------------
+
+    def _count_entries(self) -> None:
+        """Recount the sessions changed in this batch; past the bound, trim (before they are saved)."""
+        sessions = self._sessions
+        total = self._entries_total
+        for session_id in self._dirty:
+            session = sessions.get(session_id)
+            if session is not None:
+                count = session.entry_count()
+                total += count - session.entries
+                session.entries = count
+        self._entries_total = total
+        if total > self.options.max_remembered_entries:
+            self._trim_entries()
+
+    def _trim_entries(self) -> None:
+        """The least recently active sessions forget their oldest entries until 95% of the bound is left.
+
+        Delivery keys go first (a redelivery of an idle session's old span is the least likely
+        use), then groups, oldest first within each rule. Open waits are kept: their deadline
+        is an alarm still to raise, and ``max_groups_per_rule`` and ``max_sessions`` bound them.
+        Trimming down to 95% rather than to the bound itself spaces the scans out.
+        """
+        bound = self.options.max_remembered_entries
+        target = bound - bound // 20
+        dropped_seen = dropped_groups = 0
+        for session in self._sessions.values():  # least recently active first
+            excess = self._entries_total - target
+            if excess <= 0:
+                break
+            if not session.entries:
+                continue
+            gone = session.forget_seen(excess)
+            dropped_seen += gone
+            excess -= gone
+            rules = session.rules
+            if excess > 0 and rules is not None:
+                for index in range(len(rules)):
+                    for key, group in session.iter_groups(index):
+                        if excess <= 0:
+                            break
+                        if isinstance(group, Wait):
+                            continue
+                        session.drop_group(index, key)
+                        dropped_groups += 1
+                        excess -= 1
+                if all(slot is None for slot in rules):
+                    session.rules = None
+            count = session.entry_count()
+            self._entries_total += count - session.entries
+            session.entries = count
+            self._dirty.add(session.session_id)
+        dropped = dropped_seen + dropped_groups
+        if not dropped:
+            return
+        self._state.counters["entries_dropped"] += dropped
+        for what, n in (("delivery_key", dropped_seen), ("group", dropped_groups)):
+            if n:
+                self._tm_entries_dropped[what] = self._tm_entries_dropped.get(what, 0) + n
+        self._trimmed_unlogged += dropped
+        now = time.monotonic()
+        if now - self._last_trim_log >= _EVICTION_LOG_INTERVAL_S:
+            log.warning(
+                "remembered-entry bound (max_remembered_entries=%d) reached: the least recently active sessions"
+                " forgot %d group(s) and delivery key(s) since the last such message",
+                bound,
+                self._trimmed_unlogged,
+            )
+            self._last_trim_log = now
+            self._trimmed_unlogged = 0
+
+    @property
+    def remembered_entries(self) -> int:
+        """Groups and delivery keys held across all sessions, as of the last batch."""
+        return self._entries_total
 
     def _flush_telemetry(self, tm: Telemetry) -> None:
         for (kind, status, service), n in self._tm_actions.items():
@@ -1757,6 +1853,10 @@ class Engine:
         if self._tm_evicted:
             tm.sessions_evicted.inc(self._tm_evicted)
             self._tm_evicted = 0
+        for what, n in self._tm_entries_dropped.items():
+            tm.state_entries_dropped.labels(what=what).inc(n)
+        self._tm_entries_dropped.clear()
+        tm.state_entries.set(self._entries_total)
         for rule, n in self._tm_rule_errors.items():
             tm.rule_errors.labels(rule=rule).inc(n)
         self._tm_rule_errors.clear()

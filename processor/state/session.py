@@ -417,6 +417,7 @@ class SessionState:
     __slots__ = (
         "activity_ns",
         "buffered",
+        "entries",
         "fired",
         "kinds",
         "next_deadline_ns",
@@ -443,6 +444,8 @@ class SessionState:
         self.next_deadline_ns: int | None = None
         # Waits that fired and may still be resolved (None: none ever fired in this session).
         self.fired: FiredWaits | None = None
+        # entry_count() as the engine's global bound last counted it (not persisted).
+        self.entries = 0
 
     # Groups of one rule live in its slot of ``rules``: None (no group), a flat tuple
     # (key, state, key, state, ...) while there are at most SMALL_GROUPS of them, else a
@@ -572,6 +575,38 @@ class SessionState:
             seen = self.seen = SeenDigests(self.seen_digests())
         assert isinstance(seen, SeenDigests)
         return seen.check(int.from_bytes(packed, "big"), limit)
+
+    def entry_count(self) -> int:
+        """Groups of every rule plus delivery-key digests: what the global bound counts."""
+        count = 0
+        rules = self.rules
+        if rules is not None:
+            for slot in rules:
+                if slot is not None:
+                    count += len(slot) // 2 if type(slot) is tuple else len(slot)
+        seen = self.seen
+        if isinstance(seen, bytes):
+            count += len(seen) // 8
+        elif seen is not None:
+            count += len(seen.order)
+        return count
+
+    def forget_seen(self, limit: int) -> int:
+        """Forget up to ``limit`` of the oldest delivery-key digests; returns how many went."""
+        seen = self.seen
+        if seen is None or limit <= 0:
+            return 0
+        if type(seen) is bytes:
+            gone = min(limit, len(seen) // 8)
+            self.seen = seen[gone * 8 :] or None
+            return gone
+        assert isinstance(seen, SeenDigests)
+        gone = min(limit, len(seen.order))
+        for _ in range(gone):
+            del seen.members[seen.order.popleft()]
+        if not seen.order:
+            self.seen = None
+        return gone
 
     def seen_digests(self) -> list[int]:
         seen = self.seen

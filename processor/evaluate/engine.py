@@ -286,7 +286,7 @@ class _Plan:
                 f for part in rule.message.parts if not isinstance(part, str) for v, f in part.references if v in views
             }
             if "*" not in rendered:
-                digestible = equality_only_fields(rule.then.source) - rendered
+                digestible = equality_only_fields(rule.then.source) - rendered - _ENUMERATED_FIELDS
         self.digest_at = tuple(i for i, name in enumerate(self.first_names) if name in digestible)
         self.file_scope = rule.log_scope == "file"
 
@@ -500,13 +500,20 @@ def _file_digest(origin: str, action_id: str) -> int:
     return _xxh3_128(f"{origin}\x1f{action_id}".encode("utf-8", "surrogatepass"))
 
 
-# Kept strings at least this long are digested (an 8-byte bytes object is 41 bytes; a str of
-# 16 ASCII characters is 65): shorter ones, such as kinds, are shared between records anyway.
-_DIGEST_MIN_CHARS: Final = 16
+# Kept strings at least this long are digested: an 8-byte bytes object is 41 bytes, a str of
+# 8 ASCII characters 57.
+_DIGEST_MIN_CHARS: Final = 8
+# Fields whose values come from a small vocabulary (the conventions enumerate them): kept as
+# values, interned, where a digest per group would cost more than the one shared string.
+_ENUMERATED_FIELDS: Final = frozenset({"kind", "status", "workflow_state", "approval_decision", "on_failure", "replay"})
 
 
 def _digest_kept(kept: tuple[Any, ...], at: tuple[int, ...]) -> tuple[Any, ...]:
-    """``kept`` with its long strings at ``at`` replaced by their 8-byte digests."""
+    """``kept`` with its long strings at ``at`` replaced by their 8-byte digests.
+
+    A tuple with a digest is its record's own (never shared): its other strings, short ones
+    such as a kind, are interned so that every group does not hold a copy of its own.
+    """
     values: list[Any] | None = None
     for i in at:
         value = kept[i]
@@ -514,7 +521,12 @@ def _digest_kept(kept: tuple[Any, ...], at: tuple[int, ...]) -> tuple[Any, ...]:
             if values is None:
                 values = list(kept)
             values[i] = value_digest(value)
-    return kept if values is None else tuple(values)
+    if values is None:
+        return kept
+    for i, value in enumerate(values):
+        if type(value) is str:
+            values[i] = sys.intern(value)
+    return tuple(values)
 
 
 def _undigested_view(plan: _Plan, kept: tuple[Any, ...], record: Mapping[str, Any]) -> dict[str, Any]:

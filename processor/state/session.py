@@ -30,7 +30,8 @@ plain form is a dict of the present fields, so a rule file that changes
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
+from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
@@ -340,28 +341,52 @@ FiredEntry = tuple[int, GroupKey, str, tuple[Any, ...]]
 
 
 class SeenDigests:
-    """Many delivery-key digests: a dict for membership, a queue for age.
+    """Many delivery-key digests in 16 bytes each: a sorted array for membership, a queue for age.
 
-    Forgetting the oldest pops the queue: O(1), where deleting the first key of a dict
-    again and again would rescan the deleted slots at its front on every insertion.
+    A dict and a deque of Python ints cost about 90 bytes a digest; a long session holds
+    up to ``max_seen_per_session`` of them. Membership is a binary search, an insertion
+    a move of at most that many 8-byte words. The age queue is consumed from ``start``
+    and compacted once half of it is consumed.
     """
 
-    __slots__ = ("members", "order")
+    __slots__ = ("order", "sorted", "start")
 
     def __init__(self, digests: Iterable[int]) -> None:
-        self.order: deque[int] = deque(digests)
-        self.members: dict[int, None] = dict.fromkeys(self.order)
+        self.order = array("Q", digests)
+        self.sorted = array("Q", sorted(set(self.order)))
+        self.start = 0
+
+    def __len__(self) -> int:
+        return len(self.order) - self.start
+
+    def digests(self) -> list[int]:
+        """Oldest first."""
+        return self.order[self.start :].tolist()
 
     def check(self, digest: int, limit: int) -> bool:
-        members = self.members
-        if digest in members:
+        members = self.sorted
+        at = bisect_left(members, digest)
+        if at < len(members) and members[at] == digest:
             return True
-        members[digest] = None
-        order = self.order
-        order.append(digest)
-        while len(order) > limit:
-            del members[order.popleft()]
+        members.insert(at, digest)
+        self.order.append(digest)
+        if len(self) > limit:
+            self.forget_oldest(len(self) - limit)
         return False
+
+    def forget_oldest(self, count: int) -> int:
+        """Forget up to ``count`` of the oldest digests; returns how many went."""
+        gone = min(count, len(self))
+        members, order = self.sorted, self.order
+        for at in range(self.start, self.start + gone):
+            index = bisect_left(members, order[at])
+            if index < len(members) and members[index] == order[at]:
+                del members[index]
+        self.start += gone
+        if self.start * 2 >= len(order):
+            del order[: self.start]
+            self.start = 0
+        return gone
 
 
 class FiredWaits:
@@ -588,7 +613,7 @@ class SessionState:
         if isinstance(seen, bytes):
             count += len(seen) // 8
         elif seen is not None:
-            count += len(seen.order)
+            count += len(seen)
         return count
 
     def forget_seen(self, limit: int) -> int:
@@ -601,10 +626,8 @@ class SessionState:
             self.seen = seen[gone * 8 :] or None
             return gone
         assert isinstance(seen, SeenDigests)
-        gone = min(limit, len(seen.order))
-        for _ in range(gone):
-            del seen.members[seen.order.popleft()]
-        if not seen.order:
+        gone = seen.forget_oldest(limit)
+        if not len(seen):
             self.seen = None
         return gone
 
@@ -614,7 +637,7 @@ class SessionState:
             return []
         if isinstance(seen, bytes):
             return [int.from_bytes(seen[i : i + 8], "big") for i in range(0, len(seen), 8)]
-        return list(seen.order)
+        return seen.digests()
 
     def waits(self, indices: Iterable[int] | None = None) -> list[tuple[int, GroupKey, Wait]]:
         """Every open wait of the session: (rule index, group key, wait); ``indices``: the absence rules, if known."""

@@ -41,7 +41,15 @@ with the session and are listed, as still open, in its summary (replay keeps sum
 of ended sessions, serve does not). At ``max_sessions`` the least recently active
 session is evicted (state dropped, counted, logged without ids or values). Per
 session, each stateful rule keeps at most ``max_groups_per_rule`` groups (oldest
-dropped first).
+dropped first). Across sessions, past ``max_remembered_entries`` groups and delivery
+keys, the least recently active sessions forget their oldest (open waits kept; see
+``_trim_entries``).
+
+**Keys and kept values** are fixed-size: a group key is the 64-bit digest of the
+``group_by`` values (:func:`processor.state.session.group_key`), and a kept string that
+``then`` only compares for equality is an 8-byte digest, turned back into the later
+record's own value, or a value equal to nothing, when ``then`` reads it (see
+:mod:`processor.evaluate.kept_digests`).
 
 **Messages** render in the activation in which the rule fired. An absence fires when
 its waiting record is gone: ``record`` and ``first`` are then both the fields kept from

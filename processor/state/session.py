@@ -22,6 +22,12 @@ Memory per idle session is what bounds how many sessions fit, so the layout is c
 rule with few groups holds a flat (key, state, key, state, ...) tuple instead of a dict,
 and the delivery-key digests of a small session are packed into one ``bytes``.
 
+Group keys are 64-bit digests of the ``group_by`` values (:func:`group_key`), whatever
+the length of an id; a kept string that a rule only compares for equality may be held
+as its 8-byte digest (a ``bytes``; the engine decides which, see
+``processor.evaluate.kept_digests``). Plain data written before digests, with raw keys,
+is digested as it loads (:func:`group_key_from_plain`).
+
 Kept fields of the opening record (``first``) are a tuple aligned with the rule's
 ``first_fields`` in sorted order, :data:`MISSING` standing for an absent field; the
 plain form is a dict of the present fields, so a rule file that changes

@@ -150,6 +150,7 @@ _EVICTION_LOG_INTERVAL_S: Final = 60.0
 _KEPT_CACHE_MAX: Final = 50_000
 _VIEWS_MAX: Final = 1024
 _SHAREABLE_TYPES: Final = frozenset({str, type(None), type(MISSING)})
+_SHAREABLE_DIGESTED: Final = _SHAREABLE_TYPES | {bytes}
 _EXPIRY_BUCKETS: Final = 1024
 _WAIT_STATE_LABELS: Final = ("awaiting_approval", "waiting_on_external", "other")
 
@@ -516,6 +517,35 @@ _DIGEST_MIN_CHARS: Final = 8
 _ENUMERATED_FIELDS: Final = frozenset({"kind", "status", "workflow_state", "approval_decision", "on_failure", "replay"})
 
 
+# One record's id is the key of several rules' groups and kept by several rules: the digests
+# of recent strings are remembered, so that those groups share one digest object (as they
+# shared the string) and the digest is computed once. Only strings: 1, 1.0 and True are
+# one dict key but not one group key.
+_MEMO_MAX: Final = 4096
+_key_memo: dict[str, int] = {}
+_value_memo: dict[str, bytes] = {}
+
+
+def _key_of(value: Any) -> int:
+    if type(value) is not str:
+        return key_digest(value)
+    found = _key_memo.get(value)
+    if found is None:
+        if len(_key_memo) >= _MEMO_MAX:
+            _key_memo.clear()
+        found = _key_memo[value] = key_digest(value)
+    return found
+
+
+def _digest_of(value: str) -> bytes:
+    found = _value_memo.get(value)
+    if found is None:
+        if len(_value_memo) >= _MEMO_MAX:
+            _value_memo.clear()
+        found = _value_memo[value] = value_digest(value)
+    return found
+
+
 def _digest_kept(kept: tuple[Any, ...], at: tuple[int, ...]) -> tuple[Any, ...]:
     """``kept`` with its long strings at ``at`` replaced by their 8-byte digests.
 
@@ -528,7 +558,7 @@ def _digest_kept(kept: tuple[Any, ...], at: tuple[int, ...]) -> tuple[Any, ...]:
         if type(value) is str and len(value) >= _DIGEST_MIN_CHARS:
             if values is None:
                 values = list(kept)
-            values[i] = value_digest(value)
+            values[i] = _digest_of(value)
     if values is None:
         return kept
     for i, value in enumerate(values):
@@ -547,7 +577,7 @@ def _undigested_view(plan: _Plan, kept: tuple[Any, ...], record: Mapping[str, An
             continue
         name = plan.first_names[i]
         current = record.get(name)
-        if type(current) is str and value_digest(current) == stored:
+        if type(current) is str and _digest_of(current) == stored:
             view[name] = current
         else:
             view[name] = "\x00digest:" + stored.hex()
@@ -656,6 +686,8 @@ class Engine:
         self._max_groups = options.max_groups_per_rule
         # Kept-field tuples and per-session kind counts repeat across sessions: share one copy.
         self._kept_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        # The last kept tuple holding a digest (see _kept).
+        self._last_digested: tuple[Any, ...] = ()
         self._kinds_cache: dict[Any, tuple[str | int, ...]] = {}
         # (id of a shared counts tuple, kind) -> the shared tuple after counting one more of kind.
         # Only shared tuples are keys, and the cache keeps them alive: an id cannot be reused.
@@ -1114,13 +1146,13 @@ class Engine:
                         continue  # nothing to resolve or extend, and this record opens nothing
             if key_field is not None:
                 # ``record.<field>`` of a field the route knows is present: the value is the key.
-                key = key_digest(record[key_field])
+                key = _key_of(record[key_field])
                 handler(plan, action, session, key, out, first_possible=first_possible, then_possible=then_possible)
                 continue
             single = plan.group_fn
             try:
                 if single is not None:
-                    key = key_digest(single(act))
+                    key = _key_of(single(act))
                 elif plan.group_by:
                     key = group_key([e.evaluate(act) for e in plan.group_by])
                 else:
@@ -1286,7 +1318,14 @@ class Engine:
     def _kept(self, plan: _Plan, record: Mapping[str, Any]) -> tuple[Any, ...]:
         kept = tuple(map(record.get, plan.first_names, repeat(MISSING)))
         if plan.digest_at:
-            kept = _digest_kept(kept, plan.digest_at)
+            digested = _digest_kept(kept, plan.digest_at)
+            if digested is not kept:
+                # A record's own tuple; rules that keep the same fields of it share it.
+                last = self._last_digested
+                if last == digested and all(map(_SHAREABLE_DIGESTED.__contains__, map(type, digested))):
+                    return last
+                self._last_digested = digested
+                return digested
         cache = self._kept_cache
         try:
             shared = cache.get(kept)
@@ -1634,11 +1673,11 @@ class Engine:
             # A list literal comes back as a new list each time; a tuple holds the same for less.
             # A long string is only ever compared for equality: its digest answers that.
             if type(value) is str and len(value) >= _DIGEST_MIN_CHARS:
-                self._put(plan, session, key, value_digest(value))
+                self._put(plan, session, key, _digest_of(value))
             else:
                 self._put(plan, session, key, tuple(value) if type(value) is list else value)
         elif type(first_value) is bytes:
-            if type(value) is not str or value_digest(value) != first_value:
+            if type(value) is not str or _digest_of(value) != first_value:
                 self._emit(self._violation(plan, action, act, session), session, out)
         elif not _same_value(first_value, value):
             self._emit(self._violation(plan, action, act, session), session, out)

@@ -156,7 +156,7 @@ def group_key_from_plain(value: Any) -> GroupKey:
 
 
 def value_digest(value: str) -> bytes:
-    """An equality-only kept string as 8 bytes (see ``RuleSchema.digested``)."""
+    """An equality-only kept string as 8 bytes (see ``processor.evaluate.kept_digests``)."""
     return _xxh3_bytes(value.encode("utf-8", "surrogatepass"))
 
 

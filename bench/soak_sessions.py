@@ -214,7 +214,7 @@ def svg_curve(samples: list[tuple[float, float]], warmup_s: float, title: str) -
 
 
 def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session_spans: int, idle: str,
-        sample_s: float, spans_per_request: int) -> dict[str, Any]:
+        sample_s: float, spans_per_request: int, max_remembered_entries: int | None = None) -> dict[str, Any]:
     from processor.config import load_config
 
     run_id = f"soak{os.getpid()}"
@@ -228,7 +228,8 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
             f"    grpc:\n      endpoint: 127.0.0.1:{grpc_port}\n"
             f"    http:\n      endpoint: 127.0.0.1:{http_port}\n"
             f"evaluate:\n  session_idle_timeout: {idle}\n"
-            f"state:\n  path: {work / 'state.db'}\n"
+            + (f"  max_remembered_entries: {max_remembered_entries}\n" if max_remembered_entries else "")
+            + f"state:\n  path: {work / 'state.db'}\n"
             "exporters:\n"
             f"  jsonl:\n    path: {jsonl}\n    rotate_max_size: 4GiB\n"
             f"  prometheus:\n    endpoint: 127.0.0.1:{metrics_port}\n",
@@ -242,8 +243,8 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
             serve = subprocess.Popen([sys.executable, "-m", "processor.cli", "serve", "--config", str(config_path)],
                                      cwd=work, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
         samples: list[tuple[float, float]] = []
-        # (seconds, journal depth, queue depth, open sessions): what serve holds besides its RSS.
-        backlog: list[tuple[float, float, float, float]] = []
+        # (seconds, journal depth, queue depth, open sessions, remembered entries): what serve holds besides its RSS.
+        backlog: list[tuple[float, float, float, float, float]] = []
         try:
             _wait_ready(http_port, serve)
             tailer = Tailer(jsonl)
@@ -261,7 +262,8 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
                     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).text
                     backlog.append((at, _metric(text, "durable_check_journal_depth"),
                                     _metric(text, "durable_check_queue_depth"),
-                                    _metric(text, "durable_check_open_sessions")))
+                                    _metric(text, "durable_check_open_sessions"),
+                                    _metric(text, "durable_check_state_entries")))
                 except httpx.HTTPError:
                     pass
                 client.join(sample_s)
@@ -294,6 +296,10 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
         "errors": load.errors,
         "received_spans": _metric(metrics, "durable_check_spans_received_total"),
         "open_sessions_at_end": _metric(metrics, "durable_check_open_sessions"),
+        "max_remembered_entries": max_remembered_entries,
+        "remembered_entries_max": max((b[4] for b in backlog), default=None),
+        "entries_dropped": {what: _metric(metrics, f'durable_check_state_entries_dropped_total{{what="{what}"}}')
+                            for what in ("group", "delivery_key")},
         "payments_acknowledged": len(load.payments),
         "ds002_found": len(latencies["DS002"]),
         "ds110_found": len(latencies["DS110"]),
@@ -322,10 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spans-per-request", type=int, default=512)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--svg", type=Path, help="write the memory curve here")
+    parser.add_argument("--max-remembered-entries", type=int, help="evaluate.max_remembered_entries (default: serve's)")
     args = parser.parse_args(argv)
     result = run(args.rate, args.duration, warmup_s=args.warmup, active=args.active,
                  session_spans=args.session_spans, idle=args.idle, sample_s=args.sample,
-                 spans_per_request=args.spans_per_request)
+                 spans_per_request=args.spans_per_request, max_remembered_entries=args.max_remembered_entries)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     if args.svg is not None:

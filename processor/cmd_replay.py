@@ -104,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
     packs: list[str] = []
     lateness = 5.0
     options = EngineOptions(mode="replay")
+    remembered = options.max_remembered_entries
     limits = None
     if config is not None:
         ev = config.evaluate
+        remembered = ev.max_remembered_entries
         limits = ev.rule_limits.cost_limits()
         strict = strict or ev.strict
         rule_paths.extend(ev.rules)
@@ -123,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
     if args.pack:
         packs = list(dict.fromkeys(args.pack))  # the command line's choice replaces the configuration's
     ruleset = load_rules(rule_paths, include_shipped=include_shipped, packs=packs, limits=limits)
-    options = EngineOptions(strict=strict, allowed_lateness_s=lateness, mode="replay")
+    options = EngineOptions(
+        strict=strict,
+        allowed_lateness_s=lateness,
+        mode="replay",
+        max_remembered_entries=remembered,
+    )
     pipeline = Pipeline(Engine(ruleset, options))
     if args.format in ("html", "junit"):
         from processor.state.views import MemoryViews

@@ -225,6 +225,9 @@ class EvaluateConfig:
     allowed_lateness: Duration = _5S
     session_idle_timeout: Duration = _7D
     max_sessions: int = 100_000
+    # Groups and delivery keys remembered across all sessions; past it the least recently
+    # active sessions forget their oldest (processor.evaluate.engine, docs/state.md).
+    max_remembered_entries: int = 2_000_000
     # Past these, one DS113 summary instead of each violation (processor.violation_caps).
     max_violations_per_request: int = 1000
     max_violations_per_session: int = 10_000
@@ -246,6 +249,8 @@ class EvaluateConfig:
                 problems.append(Problem(f"{path}.rules[{index}]", f"no such file or directory: {rule_path}"))
         if self.max_sessions < 1:
             problems.append(Problem(f"{path}.max_sessions", "must be at least 1"))
+        if self.max_remembered_entries < 1000:
+            problems.append(Problem(f"{path}.max_remembered_entries", "must be at least 1000"))
         for name in ("max_violations_per_request", "max_violations_per_session"):
             if getattr(self, name) < 1:
                 problems.append(Problem(f"{path}.{name}", "must be at least 1"))

@@ -87,6 +87,7 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
         allowed_lateness_s=float(config.evaluate.allowed_lateness),
         session_idle_timeout_s=float(config.evaluate.session_idle_timeout),
         max_sessions=config.evaluate.max_sessions,
+        max_remembered_entries=config.evaluate.max_remembered_entries,
         mode="serve",
     )
     engine = Engine(ruleset, options, store=store, telemetry=telemetry)

@@ -41,6 +41,12 @@ METRICS: tuple[MetricSpec, ...] = (
                "Age of the oldest unresolved wait: stuck work made visible."),
     MetricSpec("sessions_evicted", "durable_check_sessions_evicted", "counter",
                "Sessions dropped because the open-session bound was reached."),
+    MetricSpec("state_entries", "durable_check_state_entries", "gauge",
+               "Rule groups and delivery keys remembered across all sessions (bounded by "
+               "evaluate.max_remembered_entries)."),
+    MetricSpec("state_entries_dropped", "durable_check_state_entries_dropped", "counter",
+               "Remembered entries the least recently active sessions forgot to stay within "
+               "evaluate.max_remembered_entries, by what (group, delivery_key).", ("what",)),
     MetricSpec("rule_errors", "durable_check_rule_errors", "counter",
                "Records on which a rule's expression failed or overran its evaluation budget "
                "(the rule did not fire on them), by rule.", ("rule",)),
@@ -107,6 +113,8 @@ class Telemetry:
     open_waits: Gauge
     oldest_open_wait_age: Gauge
     sessions_evicted: Counter
+    state_entries: Gauge
+    state_entries_dropped: Counter
     rule_errors: Counter
     violations_capped: Counter
     spans_received: Counter

@@ -12,7 +12,7 @@ from processor.evaluate.engine import Engine, EngineOptions, EngineState
 from processor.evaluate.model import RuleSet
 from processor.records import Action, Malformed
 from processor.state.memory import MemoryStore
-from processor.state.session import SessionState
+from processor.state.session import SessionState, key_digest
 from processor.telemetry import Telemetry
 from processor.violations import make_violation_id, record_identity
 from tests._engine_util import T0, S, Spans, log_line, rules_from, run
@@ -562,14 +562,14 @@ def test_session_state_layout_round_trips(tmp_path: Path) -> None:
     session.count_kind("write")
     session.count_kind("write")
     session.count_kind("email")
-    session.put_group(0, "a", ("tool_call",), schema.width, 10)
-    session.put_group(0, "b", ("write",), schema.width, 10)
-    session.drop_group(0, "a")
+    session.put_group(0, key_digest("a"), ("tool_call",), schema.width, 10)
+    session.put_group(0, key_digest("b"), ("write",), schema.width, 10)
+    session.drop_group(0, key_digest("a"))
     plain = orjson.loads(orjson.dumps(session.to_plain(schema)))
     back = SessionState.from_plain(schema, plain)
     assert back.to_plain(schema) == plain
     assert back.kinds_dict() == {"write": 2, "email": 1}
-    assert back.get_group(0, "b") == ("write",)
+    assert back.get_group(0, key_digest("b")) == ("write",)
     assert back.check_seen(69 * 7919, limit=1000) is True
 
 

@@ -10,7 +10,7 @@ import pytest
 from processor.evaluate.engine import Engine, EngineOptions
 from processor.records import Action
 from processor.state.memory import MemoryStore
-from processor.state.session import SessionState
+from processor.state.session import NO_GROUP, SessionState
 from processor.violations import make_violation_id, record_identity
 from tests._engine_util import T0, S, Spans, by_rule, rules_from, shipped
 
@@ -167,7 +167,7 @@ def test_fired_waits_round_trip_through_plain_data() -> None:
     fired = by_rule(engine.submit(span(80, session="other")), "DS107") or []
     plain = orjson.loads(orjson.dumps(store.snapshot(engine.schema)))
     session_plain = plain["sessions"]["s1"]
-    assert [(f["rule"], f["group"]) for f in session_plain["fired"]] == [("DS107", "")]
+    assert [(f["rule"], f["group"]) for f in session_plain["fired"]] == [("DS107", [NO_GROUP])]
     assert fired == []  # fired once, in the batch before
     restored = SessionState.from_plain(engine.schema, session_plain)
     assert restored.to_plain(engine.schema) == session_plain

@@ -41,7 +41,15 @@ with the session and are listed, as still open, in its summary (replay keeps sum
 of ended sessions, serve does not). At ``max_sessions`` the least recently active
 session is evicted (state dropped, counted, logged without ids or values). Per
 session, each stateful rule keeps at most ``max_groups_per_rule`` groups (oldest
-dropped first).
+dropped first). Across sessions, past ``max_remembered_entries`` groups and delivery
+keys, the least recently active sessions forget their oldest (open waits kept; see
+``_trim_entries``).
+
+**Keys and kept values** are fixed-size: a group key is the 64-bit digest of the
+``group_by`` values (:func:`processor.state.session.group_key`), and a kept string that
+``then`` only compares for equality is an 8-byte digest, turned back into the later
+record's own value, or a value equal to nothing, when ``then`` reads it (see
+:mod:`processor.evaluate.kept_digests`).
 
 **Messages** render in the activation in which the rule fired. An absence fires when
 its waiting record is gone: ``record`` and ``first`` are then both the fields kept from
@@ -91,15 +99,19 @@ from hashlib import blake2b as _blake2b
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol, cast
 
+from xxhash import xxh3_128_intdigest as _xxh3_128
+
 from processor.errors import EvaluationError
 from processor.evaluate.cel import CompiledExpression
 from processor.evaluate.identity import IdentityResolver, IdentityState
+from processor.evaluate.kept_digests import equality_only_fields
 from processor.evaluate.model import Rule, RuleSet
 from processor.records import FIELD_TYPES, NONDETERMINISTIC_KINDS, SIDE_EFFECT_KINDS, Action, Malformed, SessionMark
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
 from processor.state.memory import MemoryStore
 from processor.state.session import (
     MISSING,
+    NO_GROUP,
     CountState,
     FiredWaits,
     GroupKey,
@@ -110,7 +122,9 @@ from processor.state.session import (
     StateKind,
     Wait,
     group_key,
+    key_digest,
     prov_identity,
+    value_digest,
 )
 from processor.summary import EngineSummary, OpenWait, SessionEnd, SessionSummary
 from processor.violations import Violation, make_violation_id, record_identity
@@ -138,6 +152,7 @@ _EVICTION_LOG_INTERVAL_S: Final = 60.0
 _KEPT_CACHE_MAX: Final = 50_000
 _VIEWS_MAX: Final = 1024
 _SHAREABLE_TYPES: Final = frozenset({str, type(None), type(MISSING)})
+_SHAREABLE_DIGESTED: Final = _SHAREABLE_TYPES | {bytes}
 _EXPIRY_BUCKETS: Final = 1024
 _WAIT_STATE_LABELS: Final = ("awaiting_approval", "waiting_on_external", "other")
 
@@ -162,6 +177,9 @@ class EngineOptions:
     max_ended_sessions: int = 100_000
     # Absence waits that fired and may still be resolved later, per session (oldest forgotten first).
     max_fired_waits_per_session: int = 32
+    # Bound on groups and delivery keys across all sessions: past it the least recently active
+    # sessions forget their oldest, down to 95% of it (see Engine._trim_entries).
+    max_remembered_entries: int = 2_000_000
 
     def __post_init__(self) -> None:
         problems = []
@@ -171,7 +189,13 @@ class EngineOptions:
             problems.append("allowed_lateness_s must be >= 0")
         if not self.session_idle_timeout_s > 0:
             problems.append("session_idle_timeout_s must be > 0")
-        for name in ("max_sessions", "max_buffered_per_session", "max_groups_per_rule", "max_seen_per_session"):
+        for name in (
+            "max_sessions",
+            "max_buffered_per_session",
+            "max_groups_per_rule",
+            "max_seen_per_session",
+            "max_remembered_entries",
+        ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
         for name in ("max_ended_sessions", "max_fired_waits_per_session"):
@@ -193,6 +217,7 @@ class _Plan:
         "condition",
         "condition_fn",
         "deadline",
+        "digest_at",
         "field",
         "file_scope",
         "first",
@@ -262,6 +287,18 @@ class _Plan:
         # A violation may later be reported on the opening record, long after it is gone.
         self.needs_prov = rule.type == "absence" or (rule.type == "sequence" and self.report_first)
         self.compact = rule.type == "sequence" and self.within_ns is None and not self.report_first
+        # Kept fields that ``then`` only tests or compares for equality, and nothing renders:
+        # long strings there are kept as 8-byte digests (see processor.evaluate.kept_digests).
+        digestible: frozenset[str] = frozenset()
+        if rule.then is not None and rule.type in ("sequence", "absence") and "*" not in kept:
+            # A fired absence renders its kept fields as ``record`` too.
+            views = ("first", "record") if rule.type == "absence" else ("first",)
+            rendered = {
+                f for part in rule.message.parts if not isinstance(part, str) for v, f in part.references if v in views
+            }
+            if "*" not in rendered:
+                digestible = equality_only_fields(rule.then.source) - rendered - _ENUMERATED_FIELDS
+        self.digest_at = tuple(i for i, name in enumerate(self.first_names) if name in digestible)
         self.file_scope = rule.log_scope == "file"
 
 
@@ -382,6 +419,7 @@ _COUNTERS: Final = (
     "groups_dropped",
     "waits_resolved_late",
     "fired_waits_dropped",
+    "entries_dropped",
 )
 
 
@@ -465,9 +503,87 @@ def _delivery_digest(key: tuple[str, str, int]) -> bytes:
     return _blake2b(raw, digest_size=8).digest()
 
 
-def _file_digest(origin: str, action_id: str) -> bytes:
-    """A remembered (file, action id) pair in 16 bytes, whatever the length of the id."""
-    return _blake2b(f"{origin}\x1f{action_id}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def _file_digest(origin: str, action_id: str) -> int:
+    """A remembered (file, action id) pair as a 128-bit int, whatever the length of the id.
+
+    128 bits, not the 64 of a session's group keys: one file may name many millions of ids.
+    """
+    return _xxh3_128(f"{origin}\x1f{action_id}".encode("utf-8", "surrogatepass"))
+
+
+# Kept strings at least this long are digested: an 8-byte bytes object is 41 bytes, a str of
+# 8 ASCII characters 57.
+_DIGEST_MIN_CHARS: Final = 8
+# Fields whose values come from a small vocabulary (the conventions enumerate them): kept as
+# values, interned, where a digest per group would cost more than the one shared string.
+_ENUMERATED_FIELDS: Final = frozenset({"kind", "status", "workflow_state", "approval_decision", "on_failure", "replay"})
+
+
+# One record's id is the key of several rules' groups and kept by several rules: the digests
+# of recent strings are remembered, so that those groups share one digest object (as they
+# shared the string) and the digest is computed once. Only strings: 1, 1.0 and True are
+# one dict key but not one group key.
+_MEMO_MAX: Final = 4096
+_key_memo: dict[str, int] = {}
+_value_memo: dict[str, bytes] = {}
+
+
+def _key_of(value: Any) -> int:
+    if type(value) is not str:
+        return key_digest(value)
+    found = _key_memo.get(value)
+    if found is None:
+        if len(_key_memo) >= _MEMO_MAX:
+            _key_memo.clear()
+        found = _key_memo[value] = key_digest(value)
+    return found
+
+
+def _digest_of(value: str) -> bytes:
+    found = _value_memo.get(value)
+    if found is None:
+        if len(_value_memo) >= _MEMO_MAX:
+            _value_memo.clear()
+        found = _value_memo[value] = value_digest(value)
+    return found
+
+
+def _digest_kept(kept: tuple[Any, ...], at: tuple[int, ...]) -> tuple[Any, ...]:
+    """``kept`` with its long strings at ``at`` replaced by their 8-byte digests.
+
+    A tuple with a digest is its record's own (never shared): its other strings, short ones
+    such as a kind, are interned so that every group does not hold a copy of its own.
+    """
+    values: list[Any] | None = None
+    for i in at:
+        value = kept[i]
+        if type(value) is str and len(value) >= _DIGEST_MIN_CHARS:
+            if values is None:
+                values = list(kept)
+            values[i] = _digest_of(value)
+    if values is None:
+        return kept
+    for i, value in enumerate(values):
+        if type(value) is str:
+            values[i] = sys.intern(value)
+    return tuple(values)
+
+
+def _undigested_view(plan: _Plan, kept: tuple[Any, ...], record: Mapping[str, Any]) -> dict[str, Any]:
+    """``first`` for ``then``: a digest becomes the record's own value when they match, else a
+    string equal to no record's value, so equality and presence tests answer as the value would."""
+    view = {n: v for n, v in zip(plan.first_names, kept, strict=True) if v is not MISSING}
+    for i in plan.digest_at:
+        stored = kept[i]
+        if type(stored) is not bytes:
+            continue
+        name = plan.first_names[i]
+        current = record.get(name)
+        if type(current) is str and _digest_of(current) == stored:
+            view[name] = current
+        else:
+            view[name] = "\x00digest:" + stored.hex()
+    return view
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -558,7 +674,7 @@ class Engine:
         # file across its sessions, keyed by a fixed-size digest of (file, action id). Replay
         # only reads logs; this state is not the store's (a span never touches it).
         self._file_plans = tuple(p for p in self._stateful_plans if p.file_scope)
-        self._file_groups: dict[int, dict[bytes, tuple[Any, ...]]] = {p.index: {} for p in self._file_plans}
+        self._file_groups: dict[int, dict[int, tuple[Any, ...]]] = {p.index: {} for p in self._file_plans}
         self._no_kept: dict[int, tuple[Any, ...]] = {p.index: (MISSING,) * len(p.first_names) for p in self._file_plans}
         kinds = [cast(StateKind, p.kind) for p in self._stateful_plans]
         self.schema = RuleSchema(
@@ -572,6 +688,8 @@ class Engine:
         self._max_groups = options.max_groups_per_rule
         # Kept-field tuples and per-session kind counts repeat across sessions: share one copy.
         self._kept_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        # The last kept tuple holding a digest (see _kept).
+        self._last_digested: tuple[Any, ...] = ()
         self._kinds_cache: dict[Any, tuple[str | int, ...]] = {}
         # (id of a shared counts tuple, kind) -> the shared tuple after counting one more of kind.
         # Only shared tuples are keys, and the cache keeps them alive: an id cannot be reused.
@@ -600,6 +718,11 @@ class Engine:
         self._logged_errors: set[str] = set()
         self._last_eviction_log = 0.0
         self._evictions_unlogged = 0
+        # Groups and delivery keys of all sessions, as last counted (see _count_entries).
+        self._entries_total = 0
+        self._last_trim_log = 0.0
+        self._trimmed_unlogged = 0
+        self._tm_entries_dropped: dict[str, int] = {}
         # Telemetry accumulated over a batch, flushed once per batch.
         self._tm_actions: dict[tuple[str, str, str], int] = {}
         self._tm_violations: dict[tuple[str, str, str], int] = {}
@@ -632,6 +755,8 @@ class Engine:
         for session in self._store.load_sessions(self.schema):
             self._sessions[session.session_id] = session
             session.buffered = 0
+            session.entries = session.entry_count()
+            self._entries_total += session.entries
             if session.activity_ns is not None:
                 self._schedule_expiry(session.activity_ns + self._idle_ns, session.session_id)
             for _, _, wait in session.waits(self._absence_indices):
@@ -974,6 +1099,7 @@ class Engine:
         else:
             self._ended_dropped += 1
         del self._sessions[session.session_id]
+        self._entries_total -= session.entries
         self._dirty.discard(session.session_id)
         self._deleted.add(session.session_id)
 
@@ -1022,19 +1148,17 @@ class Engine:
                         continue  # nothing to resolve or extend, and this record opens nothing
             if key_field is not None:
                 # ``record.<field>`` of a field the route knows is present: the value is the key.
-                value = record[key_field]
-                key = value if type(value) is str else group_key((value,))
+                key = _key_of(record[key_field])
                 handler(plan, action, session, key, out, first_possible=first_possible, then_possible=then_possible)
                 continue
             single = plan.group_fn
             try:
                 if single is not None:
-                    value = single(act)
-                    key = value if type(value) is str else group_key((value,))
+                    key = _key_of(single(act))
                 elif plan.group_by:
                     key = group_key([e.evaluate(act) for e in plan.group_by])
                 else:
-                    key = ""
+                    key = NO_GROUP
             except EvaluationError:
                 self._rule_error(plan, "group_by")
                 continue
@@ -1195,6 +1319,15 @@ class Engine:
 
     def _kept(self, plan: _Plan, record: Mapping[str, Any]) -> tuple[Any, ...]:
         kept = tuple(map(record.get, plan.first_names, repeat(MISSING)))
+        if plan.digest_at:
+            digested = _digest_kept(kept, plan.digest_at)
+            if digested is not kept:
+                # A record's own tuple; rules that keep the same fields of it share it.
+                last = self._last_digested
+                if last == digested and all(map(_SHAREABLE_DIGESTED.__contains__, map(type, digested))):
+                    return last
+                self._last_digested = digested
+                return digested
         cache = self._kept_cache
         try:
             shared = cache.get(kept)
@@ -1208,13 +1341,15 @@ class Engine:
             cache[kept] = kept
         return kept
 
-    @staticmethod
-    def _first_view(plan: _Plan, kept: tuple[Any, ...]) -> dict[str, Any]:
+    def _first_view(self, plan: _Plan, kept: tuple[Any, ...]) -> dict[str, Any]:
         """``first`` as a map. Expressions never mutate it, so one kept tuple (often shared) has one view.
 
         Keyed by identity, not equality (``(1,) == (True,)``); the entry holds the tuple, so its id
-        cannot be reused while the entry lives.
+        cannot be reused while the entry lives. A digested field reads as the current record's
+        value when the digests match, else as a string no record holds (see kept_digests).
         """
+        if plan.digest_at and any(type(kept[i]) is bytes for i in plan.digest_at):
+            return _undigested_view(plan, kept, self._act["record"])
         views = plan.views
         entry = views.get(id(kept))
         if entry is not None and entry[0] is kept:
@@ -1538,7 +1673,14 @@ class Engine:
         first_value = session.get_group(plan.index, key)
         if first_value is MISSING:
             # A list literal comes back as a new list each time; a tuple holds the same for less.
-            self._put(plan, session, key, tuple(value) if type(value) is list else value)
+            # A long string is only ever compared for equality: its digest answers that.
+            if type(value) is str and len(value) >= _DIGEST_MIN_CHARS:
+                self._put(plan, session, key, _digest_of(value))
+            else:
+                self._put(plan, session, key, tuple(value) if type(value) is list else value)
+        elif type(first_value) is bytes:
+            if type(value) is not str or _digest_of(value) != first_value:
+                self._emit(self._violation(plan, action, act, session), session, out)
         elif not _same_value(first_value, value):
             self._emit(self._violation(plan, action, act, session), session, out)
 
@@ -1668,6 +1810,7 @@ class Engine:
         for session_id in self._deleted:
             store.delete_session(session_id)
         self._deleted.clear()
+        self._count_entries()
         for session_id in self._dirty:
             session = sessions.get(session_id)
             if session is not None:
@@ -1677,6 +1820,83 @@ class Engine:
         store.commit()
         if self._telemetry is not None:
             self._flush_telemetry(self._telemetry)
+
+    # -- the global bound on remembered entries -------------------------------------------
+
+    def _count_entries(self) -> None:
+        """Recount the sessions changed in this batch; past the bound, trim (before they are saved)."""
+        sessions = self._sessions
+        total = self._entries_total
+        for session_id in self._dirty:
+            session = sessions.get(session_id)
+            if session is not None:
+                count = session.entry_count()
+                total += count - session.entries
+                session.entries = count
+        self._entries_total = total
+        if total > self.options.max_remembered_entries:
+            self._trim_entries()
+
+    def _trim_entries(self) -> None:
+        """The least recently active sessions forget their oldest entries until 95% of the bound is left.
+
+        Delivery keys go first (a redelivery of an idle session's old span is the least likely
+        use), then groups, oldest first within each rule. Open waits are kept: their deadline
+        is an alarm still to raise, and ``max_groups_per_rule`` and ``max_sessions`` bound them.
+        Trimming down to 95% rather than to the bound itself spaces the scans out.
+        """
+        bound = self.options.max_remembered_entries
+        target = bound - bound // 20
+        dropped_seen = dropped_groups = 0
+        for session in self._sessions.values():  # least recently active first
+            excess = self._entries_total - target
+            if excess <= 0:
+                break
+            if not session.entries:
+                continue
+            gone = session.forget_seen(excess)
+            dropped_seen += gone
+            excess -= gone
+            rules = session.rules
+            if excess > 0 and rules is not None:
+                for index in range(len(rules)):
+                    for key, group in session.iter_groups(index):
+                        if excess <= 0:
+                            break
+                        if isinstance(group, Wait):
+                            continue
+                        session.drop_group(index, key)
+                        dropped_groups += 1
+                        excess -= 1
+                if all(slot is None for slot in rules):
+                    session.rules = None
+            count = session.entry_count()
+            self._entries_total += count - session.entries
+            session.entries = count
+            self._dirty.add(session.session_id)
+        dropped = dropped_seen + dropped_groups
+        if not dropped:
+            return
+        self._state.counters["entries_dropped"] += dropped
+        for what, n in (("delivery_key", dropped_seen), ("group", dropped_groups)):
+            if n:
+                self._tm_entries_dropped[what] = self._tm_entries_dropped.get(what, 0) + n
+        self._trimmed_unlogged += dropped
+        now = time.monotonic()
+        if now - self._last_trim_log >= _EVICTION_LOG_INTERVAL_S:
+            log.warning(
+                "remembered-entry bound (max_remembered_entries=%d) reached: the least recently active sessions"
+                " forgot %d group(s) and delivery key(s) since the last such message",
+                bound,
+                self._trimmed_unlogged,
+            )
+            self._last_trim_log = now
+            self._trimmed_unlogged = 0
+
+    @property
+    def remembered_entries(self) -> int:
+        """Groups and delivery keys held across all sessions, as of the last batch."""
+        return self._entries_total
 
     def _flush_telemetry(self, tm: Telemetry) -> None:
         for (kind, status, service), n in self._tm_actions.items():
@@ -1694,6 +1914,10 @@ class Engine:
         if self._tm_evicted:
             tm.sessions_evicted.inc(self._tm_evicted)
             self._tm_evicted = 0
+        for what, n in self._tm_entries_dropped.items():
+            tm.state_entries_dropped.labels(what=what).inc(n)
+        self._tm_entries_dropped.clear()
+        tm.state_entries.set(self._entries_total)
         for rule, n in self._tm_rule_errors.items():
             tm.rule_errors.labels(rule=rule).inc(n)
         self._tm_rule_errors.clear()

@@ -22,6 +22,12 @@ Memory per idle session is what bounds how many sessions fit, so the layout is c
 rule with few groups holds a flat (key, state, key, state, ...) tuple instead of a dict,
 and the delivery-key digests of a small session are packed into one ``bytes``.
 
+Group keys are 64-bit digests of the ``group_by`` values (:func:`group_key`), whatever
+the length of an id; a kept string that a rule only compares for equality may be held
+as its 8-byte digest (a ``bytes``; the engine decides which, see
+``processor.evaluate.kept_digests``). Plain data written before digests, with raw keys,
+is digested as it loads (:func:`group_key_from_plain`).
+
 Kept fields of the opening record (``first``) are a tuple aligned with the rule's
 ``first_fields`` in sorted order, :data:`MISSING` standing for an absent field; the
 plain form is a dict of the present fields, so a rule file that changes
@@ -30,12 +36,15 @@ plain form is a dict of the present fields, so a rule file that changes
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
+from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
 
 import orjson
+from xxhash import xxh3_64_digest as _xxh3_bytes
+from xxhash import xxh3_64_intdigest as _xxh3_int
 
 StateKind = Literal["sequence", "absence", "change", "count"]
 
@@ -81,29 +90,74 @@ def prov_identity(prov: Provenance) -> str:
     return f"span:{trace_id}:{span_id}:{index}"
 
 
-def group_key(values: Sequence[Any]) -> GroupKey:
-    """The hashable, plain key of a group from the evaluated ``group_by`` values.
+def key_digest(value: Any) -> int:
+    """The group key of one ``group_by`` value: a 64-bit digest, whatever the value's length.
 
-    A list or map value (unhashable) becomes its canonical JSON text, prefixed so it
-    cannot collide with a string value.
+    XXH3-64 of the value's canonical bytes: stable across processes and versions (state is
+    persisted; a restart must find the same groups), where ``hash()`` of a str is salted.
     """
+    if type(value) is str:
+        return _xxh3_int(value.encode("utf-8", "surrogatepass"))
+    return _xxh3_int(_canonical(value))
+
+
+def group_key(values: Sequence[Any]) -> int:
+    """The group key from the evaluated ``group_by`` values (one or several): a 64-bit digest."""
     if len(values) == 1:
-        return _scalar_key(values[0])
-    return tuple(_scalar_key(v) for v in values)
+        return key_digest(values[0])
+    # Each part length-prefixed, so that ("ab", "c") and ("a", "bc") differ.
+    parts = [_canonical(v) for v in values]
+    return _xxh3_int(b"\x00tuple:" + b"".join(len(p).to_bytes(4, "big") + p for p in parts))
 
 
-def _scalar_key(value: Any) -> Hashable:
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return "\x00json:" + orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=str).decode()
+def _canonical(value: Any) -> bytes:
+    """The bytes a group_by value is digested from: equal CEL values give equal bytes.
+
+    A string is its UTF-8; other values carry a tag after a NUL, which no id starts with.
+    Numbers compare as numbers in CEL (``1 == 1.0``), so an integral double is its integer;
+    a bool is not a number. A list or map is its canonical JSON.
+    """
+    if type(value) is str:
+        return value.encode("utf-8", "surrogatepass")
+    if value is None:
+        return b"\x00null"
+    if isinstance(value, bool):
+        return b"\x00true" if value else b"\x00false"
+    if isinstance(value, int):
+        return b"\x00int:%d" % value
+    if isinstance(value, float):
+        if value.is_integer():
+            return b"\x00int:%d" % int(value)
+        return b"\x00double:" + repr(value).encode()
+    if isinstance(value, str):
+        return str(value).encode("utf-8", "surrogatepass")
+    # The text of earlier versions' key for such a value, so a migrated key finds its group.
+    text = "\x00json:" + orjson.dumps(value, option=orjson.OPT_SORT_KEYS, default=str).decode()
+    return text.encode("utf-8", "surrogatepass")
+
+
+# A rule without group_by has one group per session.
+NO_GROUP: Final = key_digest("")
 
 
 def group_key_to_plain(key: GroupKey) -> Any:
-    return list(key) if isinstance(key, tuple) else key
+    """A digest key is written as a one-element list: earlier versions wrote the raw value
+    (a scalar, or a list of two or more for several group_by values), which is read back
+    and digested."""
+    return [key] if type(key) is int else (list(key) if isinstance(key, tuple) else key)
 
 
 def group_key_from_plain(value: Any) -> GroupKey:
-    return tuple(value) if isinstance(value, list) else value
+    if type(value) is list:
+        if len(value) == 1 and type(value[0]) is int:
+            return value[0]
+        return group_key(value)  # a raw key of several group_by values (earlier versions)
+    return key_digest(value)  # a raw scalar key (earlier versions)
+
+
+def value_digest(value: str) -> bytes:
+    """An equality-only kept string as 8 bytes (see ``processor.evaluate.kept_digests``)."""
+    return _xxh3_bytes(value.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,12 +191,27 @@ class RuleSchema:
             return None
 
 
+# The key of a kept-fields map naming the fields held as digests (no field name has a "#").
+DIGESTED_KEY: Final = "#digests"
+
+
 def first_to_plain(names: tuple[str, ...], values: tuple[Any, ...]) -> dict[str, Any]:
-    return {n: v for n, v in zip(names, values, strict=True) if v is not MISSING}
+    plain = {n: v for n, v in zip(names, values, strict=True) if v is not MISSING}
+    digested = [n for n, v in plain.items() if type(v) is bytes]
+    if digested:
+        for name in digested:
+            plain[name] = plain[name].hex()
+        plain[DIGESTED_KEY] = digested
+    return plain
 
 
 def first_from_plain(names: tuple[str, ...], plain: Mapping[str, Any]) -> tuple[Any, ...]:
-    return tuple(plain.get(n, MISSING) for n in names)
+    digested = plain.get(DIGESTED_KEY)
+    if not digested:
+        return tuple(plain.get(n, MISSING) for n in names)
+    return tuple(
+        bytes.fromhex(plain[n]) if n in digested and n in plain else plain.get(n, MISSING) for n in names
+    )
 
 
 def _prov_to_plain(prov: Provenance | None) -> list[Any] | None:
@@ -278,28 +347,52 @@ FiredEntry = tuple[int, GroupKey, str, tuple[Any, ...]]
 
 
 class SeenDigests:
-    """Many delivery-key digests: a dict for membership, a queue for age.
+    """Many delivery-key digests in 16 bytes each: a sorted array for membership, a queue for age.
 
-    Forgetting the oldest pops the queue: O(1), where deleting the first key of a dict
-    again and again would rescan the deleted slots at its front on every insertion.
+    A dict and a deque of Python ints cost about 90 bytes a digest; a long session holds
+    up to ``max_seen_per_session`` of them. Membership is a binary search, an insertion
+    a move of at most that many 8-byte words. The age queue is consumed from ``start``
+    and compacted once half of it is consumed.
     """
 
-    __slots__ = ("members", "order")
+    __slots__ = ("order", "sorted", "start")
 
     def __init__(self, digests: Iterable[int]) -> None:
-        self.order: deque[int] = deque(digests)
-        self.members: dict[int, None] = dict.fromkeys(self.order)
+        self.order = array("Q", digests)
+        self.sorted = array("Q", sorted(set(self.order)))
+        self.start = 0
+
+    def __len__(self) -> int:
+        return len(self.order) - self.start
+
+    def digests(self) -> list[int]:
+        """Oldest first."""
+        return self.order[self.start :].tolist()
 
     def check(self, digest: int, limit: int) -> bool:
-        members = self.members
-        if digest in members:
+        members = self.sorted
+        at = bisect_left(members, digest)
+        if at < len(members) and members[at] == digest:
             return True
-        members[digest] = None
-        order = self.order
-        order.append(digest)
-        while len(order) > limit:
-            del members[order.popleft()]
+        members.insert(at, digest)
+        self.order.append(digest)
+        if len(self) > limit:
+            self.forget_oldest(len(self) - limit)
         return False
+
+    def forget_oldest(self, count: int) -> int:
+        """Forget up to ``count`` of the oldest digests; returns how many went."""
+        gone = min(count, len(self))
+        members, order = self.sorted, self.order
+        for at in range(self.start, self.start + gone):
+            index = bisect_left(members, order[at])
+            if index < len(members) and members[index] == order[at]:
+                del members[index]
+        self.start += gone
+        if self.start * 2 >= len(order):
+            del order[: self.start]
+            self.start = 0
+        return gone
 
 
 class FiredWaits:
@@ -355,6 +448,7 @@ class SessionState:
     __slots__ = (
         "activity_ns",
         "buffered",
+        "entries",
         "fired",
         "kinds",
         "next_deadline_ns",
@@ -381,6 +475,8 @@ class SessionState:
         self.next_deadline_ns: int | None = None
         # Waits that fired and may still be resolved (None: none ever fired in this session).
         self.fired: FiredWaits | None = None
+        # entry_count() as the engine's global bound last counted it (not persisted).
+        self.entries = 0
 
     # Groups of one rule live in its slot of ``rules``: None (no group), a flat tuple
     # (key, state, key, state, ...) while there are at most SMALL_GROUPS of them, else a
@@ -511,13 +607,43 @@ class SessionState:
         assert isinstance(seen, SeenDigests)
         return seen.check(int.from_bytes(packed, "big"), limit)
 
+    def entry_count(self) -> int:
+        """Groups of every rule plus delivery-key digests: what the global bound counts."""
+        count = 0
+        rules = self.rules
+        if rules is not None:
+            for slot in rules:
+                if slot is not None:
+                    count += len(slot) // 2 if type(slot) is tuple else len(slot)
+        seen = self.seen
+        if isinstance(seen, bytes):
+            count += len(seen) // 8
+        elif seen is not None:
+            count += len(seen)
+        return count
+
+    def forget_seen(self, limit: int) -> int:
+        """Forget up to ``limit`` of the oldest delivery-key digests; returns how many went."""
+        seen = self.seen
+        if seen is None or limit <= 0:
+            return 0
+        if type(seen) is bytes:
+            gone = min(limit, len(seen) // 8)
+            self.seen = seen[gone * 8 :] or None
+            return gone
+        assert isinstance(seen, SeenDigests)
+        gone = seen.forget_oldest(limit)
+        if not len(seen):
+            self.seen = None
+        return gone
+
     def seen_digests(self) -> list[int]:
         seen = self.seen
         if seen is None:
             return []
         if isinstance(seen, bytes):
             return [int.from_bytes(seen[i : i + 8], "big") for i in range(0, len(seen), 8)]
-        return list(seen.order)
+        return seen.digests()
 
     def waits(self, indices: Iterable[int] | None = None) -> list[tuple[int, GroupKey, Wait]]:
         """Every open wait of the session: (rule index, group key, wait); ``indices``: the absence rules, if known."""
@@ -605,7 +731,8 @@ class SessionState:
 
 def _group_to_plain(kind: StateKind, names: tuple[str, ...], state: Any) -> dict[str, Any]:
     if kind == "change":
-        return {"value": state}
+        # A string first value is held as its digest (it is only compared for equality).
+        return {"digest": state.hex()} if type(state) is bytes else {"value": state}
     if isinstance(state, tuple):
         return {"first": first_to_plain(names, state), "time_ns": None, "prov": None, "reported": False}
     plain: dict[str, Any] = state.to_plain(names)
@@ -614,7 +741,7 @@ def _group_to_plain(kind: StateKind, names: tuple[str, ...], state: Any) -> dict
 
 def _group_from_plain(kind: StateKind, names: tuple[str, ...], compact: bool, plain: Mapping[str, Any]) -> Any:
     if kind == "change":
-        return plain["value"]
+        return bytes.fromhex(plain["digest"]) if "digest" in plain else plain["value"]
     if kind == "sequence" and compact:
         return first_from_plain(names, plain["first"])
     return _STATE_CLASSES[kind].from_plain(names, plain)

@@ -64,6 +64,10 @@ rules:
 """
 
 
+# Examples per differential test (LANE_EXAMPLES raises them for a longer local run).
+_EXAMPLES = int(os.environ.get("LANE_EXAMPLES", "60"))
+
+
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     code = cli.main(args)
     captured = capsys.readouterr()
@@ -88,7 +92,7 @@ def _write(directory: str, name: str, lines: list[bytes]) -> str:
 
 @pytest.mark.parametrize("mode", [[], ["--strict"]], ids=["default", "strict"])
 @pytest.mark.parametrize("fmt", ["text", "json"])
-@settings(max_examples=int(os.environ.get("LANE_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=_logs)
 def test_the_skill_pack_gives_the_engine_report(
     lines: list[bytes], mode: list[str], fmt: str, capsys: pytest.CaptureFixture[str]
@@ -104,7 +108,7 @@ _more = st.lists(st.one_of(_timed, _record.map(orjson.dumps)), min_size=1, max_s
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
-@settings(max_examples=int(os.environ.get("LANE_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=_EXAMPLES * 2 // 3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(first=_more, second=_logs)
 def test_translated_and_refused_rules_over_two_inputs(
     first: list[bytes], second: list[bytes], fmt: str, capsys: pytest.CaptureFixture[str]

@@ -180,7 +180,7 @@ def _lane_may_apply(args: argparse.Namespace) -> bool:
 
 
 def _replay_lane(args: argparse.Namespace, lane: Any, report: Report, said: set[str]) -> int:
-    from processor.report import printable, verdict_line, write_json
+    from processor.report import printable, verdict_line
 
     lane.run(list(args.inputs), args.input_format, report, said)
     try:
@@ -190,7 +190,7 @@ def _replay_lane(args: argparse.Namespace, lane: Any, report: Report, said: set[
         return 2
     try:
         if args.format == "json":
-            write_json(report, out)
+            lane.write_json(out)
         else:
             lane.write_text(out)
     finally:

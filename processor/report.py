@@ -202,8 +202,12 @@ def render_text(report: Report) -> str:
     return buffer.getvalue()
 
 
-def write_json(report: Report, out: TextIO) -> None:
-    """One JSON object (two-space indent); the violations are written one at a time into it."""
+def write_json(report: Report, out: TextIO, violation_blocks: Iterable[str] | None = None) -> None:
+    """One JSON object (two-space indent); the violations are written one at a time into it.
+
+    ``violation_blocks``: the violations already serialized by ``json_block`` (in report
+    order), instead of the report's own.
+    """
     doc: dict[str, Any] = {
         "inputs": report.inputs,
         "actions": report.actions,
@@ -221,21 +225,30 @@ def write_json(report: Report, out: TextIO) -> None:
         out.write(text + "\n")
         return
     out.write(before)
-    # Serialized a block at a time: one orjson call per block, not per violation. A list dumped
-    # with two-space indents is its elements one level deep; two more spaces on every line put
-    # them where the document's violations list is (its elements sit four spaces deep).
+    if violation_blocks is None:
+        blocks = _blocks(report.ordered(), JSON_BLOCK)
+        violation_blocks = (json_block([v.to_json() for v in block]) for block in blocks)
     first = True
-    for block in _blocks(report.ordered(), _JSON_BLOCK):
-        text = orjson.dumps([v.to_json() for v in block], option=orjson.OPT_INDENT_2).decode()
+    for block_text in violation_blocks:
         if not first:
             out.write(",\n")
         first = False
-        out.write(_LIST_INDENT + text[2:-2].replace("\n", "\n" + _LIST_INDENT))
+        out.write(block_text)
     out.write(after + "\n")
 
 
+def json_block(objects: list[dict[str, Any]]) -> str:
+    """Violations' JSON objects as they sit in the report's list: one orjson call for the block.
+
+    A list dumped with two-space indents is its elements one level deep; two more spaces on
+    every line put them where the document's violations list is (four spaces deep).
+    """
+    text = orjson.dumps(objects, option=orjson.OPT_INDENT_2).decode()
+    return _LIST_INDENT + text[2:-2].replace("\n", "\n" + _LIST_INDENT)
+
+
 # Violations serialized together in the JSON report.
-_JSON_BLOCK: Final = 1024
+JSON_BLOCK: Final = 1024
 _LIST_INDENT: Final = "  "
 
 

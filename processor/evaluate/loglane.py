@@ -32,7 +32,7 @@ import hashlib
 import logging
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 
@@ -51,7 +51,7 @@ from processor.evaluate.cel import (
 from processor.evaluate.cel._codegen import facts_when_true
 from processor.evaluate.model import MessageTemplate
 from processor.records import FIELD_TYPES, INT64_MAX, INT64_MIN, REQUIRED_FIELDS, Action, Malformed
-from processor.report import CONTROL_ESCAPES
+from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import Violation, make_violation_id
 
@@ -114,8 +114,9 @@ class LogLane:
         helpers = {"_text": _text}
         self._malformed_messages = [_malformed_message(plan.rule.message, helpers) for plan in self._malformed]
         self._width = self._malformed_offset + len(self._malformed)
-        if self._text:
-            self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        # The report's violations, in its order, until written: text lines, or blocks of JSON.
+        self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._objects: list[dict[str, Any]] = []
 
     # -- running --------------------------------------------------------------------
 
@@ -158,8 +159,7 @@ class LogLane:
         self._flush()
         report.tally(self._actions, self._malformed_count)
         report.summary = self._summary()
-        if self._text:
-            report.violations_by_rule.update(report.summary.violations_by_rule)
+        report.violations_by_rule.update(report.summary.violations_by_rule)
 
     def write_text(self, out: TextIO) -> None:
         """The text report: the spooled violation lines, then sessions, totals and verdict."""
@@ -171,6 +171,22 @@ class LogLane:
         while chunk := spool.read(1 << 20):
             out.write(chunk)
         write_text_tail(self._report, out)
+
+    def write_json(self, out: TextIO) -> None:
+        """The JSON report, its violations read back from the spool a block at a time."""
+        from processor.report import write_json
+
+        spool = self._spool
+        assert spool is not None
+        spool.seek(0)
+
+        def blocks() -> Iterator[str]:
+            pending = ""
+            while chunk := spool.read(1 << 20):
+                *done, pending = (pending + chunk).split("\0")
+                yield from done
+
+        write_json(self._report, out, blocks())
 
     def close(self) -> None:
         if self._spool is not None:
@@ -193,6 +209,11 @@ class LogLane:
         views = self._views
         conditions = len(self._conditions)
         single_text = self._text and not self._several
+        single_json = not self._text
+        messages = self._generated.messages
+        plans = self._generated.plans
+        objects = self._objects
+        violation_json = self._violation_json
         for groups in self._file_groups:
             groups.clear()  # a file's ids are its own (log_scope: file)
         fallback = self._generated.fallback
@@ -267,6 +288,19 @@ class LogLane:
                     meta["time_ns"] = t or 0
                 check(record, number, t, hits)
                 if hits:
+                    if single_json and len(hits) == 1:
+                        position = hits[0]
+                        first = views.pop(position, None) if position >= conditions else None
+                        message = messages[position](record, first, number, t)
+                        objects.append(violation_json(plans[position], record, number, t, origin, message))
+                        if len(objects) >= JSON_BLOCK:
+                            self._flush()
+                        tally = counts.get(session_id)
+                        if tally is None:
+                            tally = counts[session_id] = [0] * width
+                        tally[position] += 1
+                        hits.clear()
+                        continue
                     if single_text and len(hits) == 1:
                         # The common case, inline: one violation on a line of a single input.
                         position = hits[0]
@@ -380,24 +414,21 @@ class LogLane:
             if self._text:
                 self._write_line(plan, item.line, item.action_id, message, origin)
             else:
-                self._report.add(
-                    [
-                        Violation(
-                            rule=plan.id,
-                            name=plan.name,
-                            severity=plan.severity,
-                            session_id=item.session_id,
-                            action_id=item.action_id,
-                            message=message,
-                            violation_id=make_violation_id(
-                                plan.id, item.session_id, item.action_id, f"line:{origin}:{item.line}"
-                            ),
-                            line=item.line,
-                            origin=origin,
-                            tags=plan.tags,
-                        )
-                    ]
+                violation = Violation(
+                    rule=plan.id,
+                    name=plan.name,
+                    severity=plan.severity,
+                    session_id=item.session_id,
+                    action_id=item.action_id,
+                    message=message,
+                    violation_id=make_violation_id(
+                        plan.id, item.session_id, item.action_id, f"line:{origin}:{item.line}"
+                    ),
+                    line=item.line,
+                    origin=origin,
+                    tags=plan.tags,
                 )
+                self._add_json(violation.to_json())
 
     # -- violations ---------------------------------------------------------------------
 
@@ -427,9 +458,7 @@ class LogLane:
             tally[position] += 1
             first = self._views.pop(position, None) if position >= conditions else None
             message = messages[position](record, first, line, t)
-            self._report.add(
-                [self._violation(generated.plans[position], record, line, t, origin=origin, message=message)]
-            )
+            self._add_json(self._violation_json(generated.plans[position], record, line, t, origin, message))
 
     def _write_line(self, plan: _Plan, line: int | None, action_id: str, message: str, origin: str) -> None:
         from processor.report import printable
@@ -443,35 +472,57 @@ class LogLane:
             tally = self._counts[session_id] = [0] * self._width
         tally[position] += 1
 
-    def _flush(self) -> None:
-        """Each block's lines go to the spool in one write; the counts of its violations are taken."""
-        if self._spool is not None and self._lines:
-            self._spool.write("\n".join(self._lines))
-            self._spool.write("\n")
-        self._lines.clear()
+    def _add_json(self, violation: dict[str, Any]) -> None:
+        self._objects.append(violation)
+        if len(self._objects) >= JSON_BLOCK:
+            self._flush()
 
-    def _violation(
-        self, plan: _Plan, record: dict[str, Any], line: int, t: int | None, *, origin: str, message: str
-    ) -> Violation:
+    def _flush(self) -> None:
+        """Text lines, or a block of JSON violations, go to the spool in one write."""
+        spool = self._spool
+        assert spool is not None
+        if self._lines:
+            spool.write("\n".join(self._lines))
+            spool.write("\n")
+            self._lines.clear()
+        if self._objects:
+            # Blocks are separated by a NUL (no JSON text holds one raw): write_json reads them back one by one.
+            spool.write(json_block(self._objects))
+            spool.write("\0")
+            self._objects.clear()
+
+    @staticmethod
+    def _violation_json(  # noqa: PLR0917 (the hot path passes positions, not names)
+        plan: _Plan, record: dict[str, Any], line: int, t: int | None, origin: str, message: str
+    ) -> dict[str, Any]:
+        """Violation.to_json() of the engine's violation on this record, built directly."""
         session_id = record["session_id"]
         action_id = record["action_id"]
-        return Violation(
-            rule=plan.id,
-            name=plan.name,
-            severity=plan.severity,
-            session_id=session_id,
-            action_id=action_id,
-            message=message,
-            violation_id=make_violation_id(plan.id, session_id, action_id, f"line:{origin}:{line}"),
-            time_ns=t,
-            line=line,
-            origin=origin,
-            trace_id=_str_field(record, "trace_id"),
-            span_id=_str_field(record, "span_id"),
-            service=_str_field(record, "service"),
-            kind=record["kind"],
-            tags=plan.tags,
-        )
+        out: dict[str, Any] = {
+            "violation_id": make_violation_id(plan.id, session_id, action_id, f"line:{origin}:{line}"),
+            "rule": plan.id,
+            "name": plan.name,
+            "severity": plan.severity,
+            "session_id": session_id,
+            "action_id": action_id,
+            "message": message,
+            "kind": record["kind"],
+            "line": line,
+        }
+        if origin:
+            out["origin"] = origin
+        trace_id = record.get("trace_id")
+        if type(trace_id) is str and trace_id:
+            out["trace_id"] = trace_id
+            out["span_id"] = _str_field(record, "span_id")
+        service = record.get("service")
+        if type(service) is str and service:
+            out["service"] = service
+        if t is not None:
+            out["time_unix_nano"] = t
+        if plan.tags:
+            out["tags"] = list(plan.tags)
+        return out
 
     def _summary(self) -> EngineSummary:
         kinds = self._sessions

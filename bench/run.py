@@ -15,7 +15,8 @@ Sections (rows of the table):
   alone (``--pack durable-sessions``) and with every shipped pack, beside
   ``bench.limits skill`` (``json.loads`` each line and apply the skill's ten checks
   inline: the work the skill's checker does); and the cost of one violation, from
-  detection to its written report line.
+  detection to its written report line. Replay writes its text report here, the shape
+  the skill's checker prints.
 - ``replay_rss``: peak RSS of replay at two input lengths (a tenth, and all, of the
   dump), the same sessions in both.
 - ``live``: ``durable-check serve`` with its default state backend; offered load is
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -174,8 +176,22 @@ def python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def replay_command(path: Path, input_format: str) -> list[str]:
-    return python("-m", "processor.cli", "replay", "--format", "json", "--input-format", input_format, str(path))
+def replay_command(path: Path, input_format: str, report_format: str = "json") -> list[str]:
+    return python("-m", "processor.cli", "replay", "--format", report_format, "--input-format", input_format, str(path))
+
+
+_VERDICT: Final = re.compile(r"(?:(\d+) violation\(s\) in (\d+) action\(s\)|(\d+) action\(s\), no violations)")
+
+
+def text_counts(stdout: bytes) -> tuple[int, int]:
+    """(actions, violations) from the text report's last line (the verdict)."""
+    last = stdout.rstrip().rsplit(b"\n", 1)[-1].decode()
+    match = _VERDICT.search(last)
+    if match is None:
+        raise RuntimeError(f"no verdict in the text report's last line: {last[:200]!r}")
+    if match.group(3) is not None:
+        return int(match.group(3)), 0
+    return int(match.group(2)), int(match.group(1))
 
 
 # -- inputs -------------------------------------------------------------------------------
@@ -277,14 +293,15 @@ def _median(values: Sequence[float]) -> float:
 
 
 def replay_vs_limit(path: Path, input_format: str, limit: str, *, items: int, expected_actions: int,
-                    runs: int, extra: Sequence[str] = ()) -> dict[str, Any]:
+                    runs: int, extra: Sequence[str] = (), report_format: str = "json") -> dict[str, Any]:
     """Replay and its limit loop, alternated so that background load hits both alike.
 
-    ``extra``: replay options (``--pack durable-sessions``).
+    ``extra``: replay options (``--pack durable-sessions``); ``report_format``: json, or
+    text (the reference checker's shape, counts read from its verdict line).
     """
     replay_runs: list[Measured] = []
     limit_runs: list[Measured] = []
-    command = [*replay_command(path, input_format), *extra]
+    command = [*replay_command(path, input_format, report_format), *extra]
     # Unmeasured warm-up: bytecode cache and page cache as a second run finds them.
     run_measured(python("-m", "bench.limits", limit, str(path)))
     run_measured(command)
@@ -295,7 +312,11 @@ def replay_vs_limit(path: Path, input_format: str, limit: str, *, items: int, ex
             raise RuntimeError(f"limit loop saw {seen} items, expected {items}")
         limit_runs.append(limit_run)
         replay_run = run_measured(command)
-        report = orjson.loads(replay_run.stdout)
+        if report_format == "text":
+            actions, found = text_counts(replay_run.stdout)
+            report = {"actions": actions, "violations": found}
+        else:
+            report = orjson.loads(replay_run.stdout)
         if expected_actions >= 0 and report["actions"] != expected_actions:
             raise RuntimeError(f"replay read {report['actions']} actions, expected {expected_actions}")
         replay_runs.append(replay_run)
@@ -395,7 +416,7 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
                                      ("all", (), TARGET_SKILL_ALL_RATIO)):
             # Replay counts malformed lines apart from actions; the limit loop counts every line.
             result = replay_vs_limit(path, "actions", "skill", items=lines, expected_actions=-1, runs=runs,
-                                     extra=extra)
+                                     extra=extra, report_format="text")
             results[f"{name}.{packs}"] = result
             ratio = result["ratio"]
             label = "skill's pack alone" if packs == "pack" else "all shipped packs"
@@ -420,7 +441,7 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
     # growth of replay's cost per line beside the growth of the loop's (which parses more bytes).
     path, stats = skill_log(size.skill_lines, "varied", SKILL_LOGS[0][1], log, varied=True)
     varied = replay_vs_limit(path, "actions", "skill", items=stats["actions"], expected_actions=-1, runs=runs,
-                             extra=("--pack", "durable-sessions"))
+                             extra=("--pack", "durable-sessions"), report_format="text")
     results["varied.pack"] = varied
     growth = _median(varied["replay_cpu_s"]) / _median(clean["replay_cpu_s"])
     limit_growth = _median(varied["limit_cpu_s"]) / _median(clean["limit_cpu_s"])

@@ -61,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     store = build_store(config)  # StateError (locked, corrupt, unwritable): a message, exit 2
     pipeline = build_pipeline(config, telemetry, store)
     server = Server(config, pipeline, telemetry, store)
+    from processor.gc_pauses import settle_for_serving
+
+    settle_for_serving()
     try:
         asyncio.run(serve_until_signalled(server))
     except OSError as exc:

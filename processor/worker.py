@@ -83,6 +83,7 @@ from processor.state.base import StateStore
 from processor.state.faults import SessionOwnedElsewhere, failure_kind
 from processor.state.journal import Journal, JournalEntry, NewEntry
 from processor.state.outbox import Dispatcher, Outbox
+from processor.state.sqlite import SqliteStore
 from processor.state.sqlstore import SqlStateStore
 from processor.telemetry import SET_ASIDE_REASONS, STATE_FAILURE_KINDS, Telemetry
 from processor.violations import Violation
@@ -172,6 +173,9 @@ class EvaluatorWorker:
         self._pipeline = pipeline
         # The store with a journal and an outbox; None for the in-memory one, which has neither.
         self._sql = store if isinstance(store, SqlStateStore) else None
+        # Violations committed ahead of the state (see _evaluate_some) where one process owns every session;
+        # a shared store commits them with the state, which its ownership check guards.
+        self._ahead = isinstance(store, SqliteStore)
         self._engine_factory = pipeline.engine_factory
         if self._sql is not None and self._engine_factory is None:
             raise ValueError("a journaled store needs the pipeline's engine_factory to rebuild the engine")
@@ -431,6 +435,8 @@ class EvaluatorWorker:
             len(self._pending) >= self._options.max_evaluate
             or time.monotonic() >= self._pending_since + self._options.evaluate_after_s
             or self._queue.closed
+            # Nothing waits to be acknowledged: waiting to group more would only add latency.
+            or not len(self._queue)
         )
 
     def _take_group(self, wait_s: float) -> list[Batch]:
@@ -575,8 +581,14 @@ class EvaluatorWorker:
                 for work in chunk:
                     found.append(self._evaluate(work))
                 if self._journal is not None and self._outbox is not None and self._dispatcher is not None:
+                    if self._ahead:
+                        # The violations first, in a small transaction of their own, and out at once: they need
+                        # not wait for the state, the larger write. A crash before the state commits evaluates
+                        # these requests again, finds the same violation ids, and the outbox records none twice.
+                        self._dispatcher.hand_over(self._outbox.add_now([v for vs in found for v in vs]))
+                    else:
+                        self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
                     self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
-                    self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
                     self._dispatcher.confirmations_in_unit()
                     if replay_ends:
                         self._clear_marker_in_unit()
@@ -787,11 +799,17 @@ class EvaluatorWorker:
         if self._pending:
             return
         fresh: list[tuple[int, Violation]] = []
+        ahead: list[tuple[int, Violation]] = []
         try:
             with store.unit():
                 violations = self._pipeline.capped(self._pipeline.engine.tick(time.time_ns()))
                 self._pipeline.record_views((), violations)
-                self._outbox.add_in_unit(violations, fresh.extend)
+                if self._ahead:
+                    # As for evaluated requests (_evaluate_some): out before the state is written.
+                    ahead = self._outbox.add_now(violations)
+                    self._dispatcher.hand_over(ahead)
+                else:
+                    self._outbox.add_in_unit(violations, fresh.extend)
                 self._dispatcher.confirmations_in_unit()
                 if self._ticks % _PRUNE_EVERY_TICKS == 0:
                     self._outbox.prune_in_unit()
@@ -809,7 +827,7 @@ class EvaluatorWorker:
             self._count_failure(exc)
             log.error("reading undelivered violations failed: %s", exc)
         if self._hold is not None:
-            self._hold.note(v for _, v in fresh)
+            self._hold.note(v for _, v in [*ahead, *fresh])
 
     def _tick_in_memory(self) -> None:
         try:

@@ -14,8 +14,13 @@ thread that touches the engine and the store. Its loop:
    that is not on disk. The in-memory store has no journal: nothing survives the
    process anyway, so a request is evaluated at once and answered once evaluated.
 3. **Evaluate.** Pending requests go through the engine in order, up to ``max_evaluate``
-   per unit of work; with a journal one transaction then commits the engine's state,
-   deletes the entries from the journal and records the violations in the outbox.
+   per unit of work: at once when no request waits in the queue, else once the oldest
+   waited ``evaluate_after_s`` (requests that queue up share one commit). With a journal
+   one transaction then commits the engine's state and deletes the entries from the
+   journal; the violations are recorded in the outbox in that transaction (a shared
+   store) or, with SQLite, in a small one of their own just before it and handed over at
+   once, so that they do not wait for the state write (a crash in between evaluates the
+   entries again, and the outbox does not record the same violation ids twice).
 4. **Deliver.** With an outbox, new rows are handed to the exporters and a row is
    deleted from ``outbox_pending`` in a later transaction once its exporter confirms
    delivery (the line written, the endpoint's acceptance), not when ``export()``
@@ -127,8 +132,8 @@ class _Work:
 class WorkerOptions:
     linger_s: float = 0.003
     max_group: int = 64
-    # Journaled requests are evaluated together, up to this many or once the oldest waited this long:
-    # the state commit (whose size grows with the reordering buffer) is shared by more requests.
+    # While requests queue up, journaled ones are evaluated together, up to this many or once the oldest
+    # waited this long, so that one state commit serves them all; alone, a request is evaluated at once.
     max_evaluate: int = 512
     evaluate_after_s: float = 0.05
     journal_max_bytes: int = 256 * 1024 * 1024

@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
     server = Server(config, pipeline, telemetry, store)
     import asyncio  # here: replay and the rules commands never need it
 
+    from processor.gc_pauses import settle_for_serving
+
+    settle_for_serving()
     try:
         asyncio.run(serve_until_signalled(server))
     except OSError as exc:

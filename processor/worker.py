@@ -14,8 +14,13 @@ thread that touches the engine and the store. Its loop:
    that is not on disk. The in-memory store has no journal: nothing survives the
    process anyway, so a request is evaluated at once and answered once evaluated.
 3. **Evaluate.** Pending requests go through the engine in order, up to ``max_evaluate``
-   per unit of work; with a journal one transaction then commits the engine's state,
-   deletes the entries from the journal and records the violations in the outbox.
+   per unit of work: at once when no request waits in the queue, else once the oldest
+   waited ``evaluate_after_s`` (requests that queue up share one commit). With a journal
+   one transaction then commits the engine's state and deletes the entries from the
+   journal; the violations are recorded in the outbox in that transaction (a shared
+   store) or, with SQLite, in a small one of their own just before it and handed over at
+   once, so that they do not wait for the state write (a crash in between evaluates the
+   entries again, and the outbox does not record the same violation ids twice).
 4. **Deliver.** With an outbox, new rows are handed to the exporters and a row is
    deleted from ``outbox_pending`` in a later transaction once its exporter confirms
    delivery (the line written, the endpoint's acceptance), not when ``export()``
@@ -83,6 +88,7 @@ from processor.state.base import StateStore
 from processor.state.faults import SessionOwnedElsewhere, failure_kind
 from processor.state.journal import Journal, JournalEntry, NewEntry
 from processor.state.outbox import Dispatcher, Outbox
+from processor.state.sqlite import SqliteStore
 from processor.state.sqlstore import SqlStateStore
 from processor.telemetry import SET_ASIDE_REASONS, STATE_FAILURE_KINDS, Telemetry
 from processor.violations import Violation
@@ -126,8 +132,8 @@ class _Work:
 class WorkerOptions:
     linger_s: float = 0.003
     max_group: int = 64
-    # Journaled requests are evaluated together, up to this many or once the oldest waited this long:
-    # the state commit (whose size grows with the reordering buffer) is shared by more requests.
+    # While requests queue up, journaled ones are evaluated together, up to this many or once the oldest
+    # waited this long, so that one state commit serves them all; alone, a request is evaluated at once.
     max_evaluate: int = 512
     evaluate_after_s: float = 0.05
     journal_max_bytes: int = 256 * 1024 * 1024
@@ -172,6 +178,9 @@ class EvaluatorWorker:
         self._pipeline = pipeline
         # The store with a journal and an outbox; None for the in-memory one, which has neither.
         self._sql = store if isinstance(store, SqlStateStore) else None
+        # Violations committed ahead of the state (see _evaluate_some) where one process owns every session;
+        # a shared store commits them with the state, which its ownership check guards.
+        self._ahead = isinstance(store, SqliteStore)
         self._engine_factory = pipeline.engine_factory
         if self._sql is not None and self._engine_factory is None:
             raise ValueError("a journaled store needs the pipeline's engine_factory to rebuild the engine")
@@ -431,6 +440,8 @@ class EvaluatorWorker:
             len(self._pending) >= self._options.max_evaluate
             or time.monotonic() >= self._pending_since + self._options.evaluate_after_s
             or self._queue.closed
+            # Nothing waits to be acknowledged: waiting to group more would only add latency.
+            or not len(self._queue)
         )
 
     def _take_group(self, wait_s: float) -> list[Batch]:
@@ -575,8 +586,14 @@ class EvaluatorWorker:
                 for work in chunk:
                     found.append(self._evaluate(work))
                 if self._journal is not None and self._outbox is not None and self._dispatcher is not None:
+                    if self._ahead:
+                        # The violations first, in a small transaction of their own, and out at once: they need
+                        # not wait for the state, the larger write. A crash before the state commits evaluates
+                        # these requests again, finds the same violation ids, and the outbox records none twice.
+                        self._dispatcher.hand_over(self._outbox.add_now([v for vs in found for v in vs]))
+                    else:
+                        self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
                     self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
-                    self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
                     self._dispatcher.confirmations_in_unit()
                     if replay_ends:
                         self._clear_marker_in_unit()
@@ -787,11 +804,17 @@ class EvaluatorWorker:
         if self._pending:
             return
         fresh: list[tuple[int, Violation]] = []
+        ahead: list[tuple[int, Violation]] = []
         try:
             with store.unit():
                 violations = self._pipeline.capped(self._pipeline.engine.tick(time.time_ns()))
                 self._pipeline.record_views((), violations)
-                self._outbox.add_in_unit(violations, fresh.extend)
+                if self._ahead:
+                    # As for evaluated requests (_evaluate_some): out before the state is written.
+                    ahead = self._outbox.add_now(violations)
+                    self._dispatcher.hand_over(ahead)
+                else:
+                    self._outbox.add_in_unit(violations, fresh.extend)
                 self._dispatcher.confirmations_in_unit()
                 if self._ticks % _PRUNE_EVERY_TICKS == 0:
                     self._outbox.prune_in_unit()
@@ -809,7 +832,7 @@ class EvaluatorWorker:
             self._count_failure(exc)
             log.error("reading undelivered violations failed: %s", exc)
         if self._hold is not None:
-            self._hold.note(v for _, v in fresh)
+            self._hold.note(v for _, v in [*ahead, *fresh])
 
     def _tick_in_memory(self) -> None:
         try:

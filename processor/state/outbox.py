@@ -1,7 +1,9 @@
 """The transactional outbox: a violation is recorded with the state that found it, then delivered.
 
 Violations found while evaluating a batch are inserted in the same transaction as the
-state commit, keyed by ``violation_id`` (``ON CONFLICT DO NOTHING``: a violation
+state commit (or, with :meth:`Outbox.add_now`, in a small transaction of their own just
+before it, so that they go out without waiting for the state to be written), keyed by
+``violation_id`` (``ON CONFLICT DO NOTHING``: a violation
 already recorded is never recorded, nor delivered, again). For every configured
 exporter a row in ``outbox_pending`` says it still has to get it. After the commit the
 :class:`Dispatcher` hands the new violations to the exporters; a pending row is
@@ -44,6 +46,7 @@ from typing import Any, Final
 
 import orjson
 
+from processor.errors import StateError
 from processor.state.sqlstore import SqlStateStore, dumps
 from processor.telemetry import Telemetry
 from processor.violations import Violation
@@ -122,31 +125,58 @@ class Outbox:
         if not violations:
             return
         fresh: list[tuple[int, Violation]] = []
-        store = self._store
 
         def op() -> None:
-            fresh.clear()
-            now = time.time_ns()
-            for violation in violations:
-                row = store.execute(
-                    "INSERT INTO outbox (violation_id, replica_id, session_id, created_ns, body)"
-                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (violation_id) DO NOTHING RETURNING seq",
-                    (violation.violation_id, store.replica_id, violation.session_id, now,
-                     violation_to_bytes(violation)),
-                ).fetchone()
-                if row is not None:
-                    fresh.append((int(row[0]), violation))
-            if fresh and self.exporters:
-                store.executemany(
-                    "INSERT INTO outbox_pending (exporter, seq) VALUES (?, ?) ON CONFLICT DO NOTHING",
-                    [(name, seq) for seq, _ in fresh for name in self.exporters],
-                )
+            fresh[:] = self._insert(violations)
 
         def committed() -> None:
             self._added(len(fresh))
             recorded(list(fresh))
 
-        store.in_unit(op, committed)
+        self._store.in_unit(op, committed)
+
+    def add_now(self, violations: Sequence[Violation]) -> list[tuple[int, Violation]]:
+        """Record ``violations`` in a transaction of their own, at once (inside a unit too: the unit's own
+        changes stay for its commit); returns the new ones. StateError on failure (rolled back)."""
+        if not violations:
+            return []
+        store = self._store
+        try:
+            store.begin()
+            fresh = self._insert(violations)
+            store.commit_transaction()
+        except StateError:
+            store.rollback()
+            raise
+        except Exception as exc:
+            store.rollback()
+            translated = store.translate(exc)
+            if translated is None:
+                raise
+            raise translated from None
+        self._added(len(fresh))
+        return fresh
+
+    def _insert(self, violations: Sequence[Violation]) -> list[tuple[int, Violation]]:
+        """Insert the rows (a violation already recorded is not recorded again); the new ones with their seq."""
+        store = self._store
+        fresh: list[tuple[int, Violation]] = []
+        now = time.time_ns()
+        for violation in violations:
+            row = store.execute(
+                "INSERT INTO outbox (violation_id, replica_id, session_id, created_ns, body)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (violation_id) DO NOTHING RETURNING seq",
+                (violation.violation_id, store.replica_id, violation.session_id, now,
+                 violation_to_bytes(violation)),
+            ).fetchone()
+            if row is not None:
+                fresh.append((int(row[0]), violation))
+        if fresh and self.exporters:
+            store.executemany(
+                "INSERT INTO outbox_pending (exporter, seq) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                [(name, seq) for seq, _ in fresh for name in self.exporters],
+            )
+        return fresh
 
     def delivered_in_unit(self, exporter: str, seqs: Sequence[int], after: Callable[[], None] | None = None) -> None:
         """Delete ``exporter``'s pending rows ``seqs`` in the open unit; ``after`` runs once committed."""

@@ -41,7 +41,8 @@ import psycopg
 
 from processor.errors import StateError
 from processor.state.faults import SessionOwnedElsewhere, postgres_error
-from processor.state.sqlstore import TABLES, SqlStateStore, dumps
+from processor.state.sessionrows import dumps
+from processor.state.sqlstore import TABLES, SqlStateStore
 
 log = logging.getLogger(__name__)
 

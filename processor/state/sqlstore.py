@@ -30,6 +30,7 @@ import itertools
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
@@ -38,10 +39,13 @@ from processor.errors import StateError
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
 from processor.state.memory import MemoryStore
 from processor.state.session import GroupKey, RuleSchema, SessionState, group_key_from_plain, group_key_to_plain
+from processor.state.sessionrows import SessionRows, Stored, dumps, session_plain, session_rows
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION: Final = 1
+# 2: sessions are a head row, one row per rule group and chunked delivery-key digests
+# (processor.state.sessionrows); 1 kept each session whole in one row and is migrated at open.
+SCHEMA_VERSION: Final = 2
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
 TABLES: Final = (
@@ -51,8 +55,16 @@ TABLES: Final = (
     # those released, instead of the whole buffer (seconds of traffic) every time.
     "CREATE TABLE IF NOT EXISTS engine_buffer ("
     " replica_id TEXT NOT NULL, arrival {INT} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (replica_id, arrival))",
+    # A session as rows (processor.state.sessionrows): its head, its groups, its digests; a
+    # commit writes what changed of a session, not all it holds.
     "CREATE TABLE IF NOT EXISTS sessions ("
     " session_id TEXT PRIMARY KEY, touched {INT} NOT NULL, body {BLOB} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS session_groups ("
+    " session_id TEXT NOT NULL, rule_id TEXT NOT NULL, grp TEXT NOT NULL, ord {INT} NOT NULL,"
+    " body {BLOB} NOT NULL, PRIMARY KEY (session_id, rule_id, grp))",
+    "CREATE TABLE IF NOT EXISTS session_seen ("
+    " session_id TEXT NOT NULL, chunk {INT} NOT NULL, start_index {INT} NOT NULL, body {BLOB} NOT NULL,"
+    " PRIMARY KEY (session_id, chunk))",
     "CREATE TABLE IF NOT EXISTS timers ("
     " session_id TEXT NOT NULL, rule_id TEXT NOT NULL, grp TEXT NOT NULL, due_ns {INT} NOT NULL,"
     " PRIMARY KEY (session_id, rule_id, grp))",
@@ -76,9 +88,14 @@ _TimerId = tuple[str, str, GroupKey]
 UnitOp = Callable[[], None]
 
 
-def dumps(value: Any) -> bytes:
-    """Plain state as bytes; values a rule kept that JSON cannot hold become their text."""
-    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+@dataclass(slots=True)
+class RowsWritten:
+    """Rows of session state one transaction wrote or deleted (what a commit cost)."""
+
+    heads: int = 0
+    groups: int = 0
+    seen_chunks: int = 0
+    deleted: int = 0
 
 
 def group_text(group: GroupKey) -> str:
@@ -102,6 +119,11 @@ class SqlStateStore(StateStore):
         self._unit_ops: list[UnitOp] = []
         self._unit_after: list[UnitOp] = []
         self._touched = itertools.count(1)
+        # Per session, what the database holds (the basis of writing only what changed), and the
+        # changes to it that the transaction being written makes (applied once it committed).
+        self._stored: dict[str, Stored] = {}
+        self._storing: dict[str, Stored | None] = {}
+        self.rows_written = RowsWritten()
         self.stale = False
 
     # -- the dialect and the connection ---------------------------------------------------
@@ -141,9 +163,30 @@ class SqlStateStore(StateStore):
         found = self.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if found is None:
             self.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(found[0]) == 1:
+            self._migrate_whole_sessions(where)
         elif int(found[0]) != SCHEMA_VERSION:
-            raise StateError(f"the state database {where} has schema version {found[0]}; this build "
-                             f"reads version {SCHEMA_VERSION}")
+            raise StateError(f"the state database {where} has schema version {found[0]}, which this build "
+                             f"cannot read (it reads version {SCHEMA_VERSION} and migrates version 1): run the "
+                             "durable-check release that wrote it, or move the database aside to start with "
+                             "empty state")
+
+    def _migrate_whole_sessions(self, where: str) -> None:
+        """Version 1 kept each session whole in its ``sessions`` row: split them into rows (same transaction)."""
+        rows = self.execute("SELECT session_id, body FROM sessions").fetchall()
+        migrated = 0
+        for session_id, body in rows:
+            try:
+                plain = orjson.loads(bytes(body))
+                split = session_rows(plain, None)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # left as it is: loading skips it and says so, as it did before
+            self.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (split.head, str(session_id)))
+            self._insert_rows([split])
+            migrated += 1
+        self.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+        log.warning("the state database %s was migrated from schema version 1 to %d (%d sessions)",
+                    where, SCHEMA_VERSION, migrated)
 
     def owned_sessions_clause(self) -> tuple[str, tuple[Any, ...]]:
         """A WHERE condition on ``session_id`` selecting the sessions this store loads (all, for one replica)."""
@@ -201,15 +244,23 @@ class SqlStateStore(StateStore):
             for op in ops:
                 op()
             self.commit_transaction()
+            for sid, held in self._storing.items():
+                if held is None:
+                    self._stored.pop(sid, None)
+                else:
+                    self._stored[sid] = held
+            self._storing = {}
             if arrivals is not None:
                 gone, added = arrivals
                 self._stored_arrivals.difference_update(gone)
                 self._stored_arrivals.update(added)
         except StateError:
+            self._storing = {}
             self.rollback()
             self.stale = True
             raise
         except Exception as exc:
+            self._storing = {}
             self.rollback()
             translated = self.translate(exc)
             if translated is None:
@@ -220,21 +271,38 @@ class SqlStateStore(StateStore):
     def _write_state(self, sessions: dict[str, SessionState | None], timers: dict[_TimerId, int | None],
                      engine: EngineStateLike | None) -> tuple[list[int], list[int]] | None:
         """Write the pending changes; returns the buffered arrivals deleted and added once committed."""
+        written = RowsWritten()
         deleted = [(sid,) for sid, body in sessions.items() if body is None]
         if deleted:
-            self.executemany("DELETE FROM sessions WHERE session_id = ?", deleted)
-            self.executemany("DELETE FROM timers WHERE session_id = ?", deleted)
+            for table in ("sessions", "session_groups", "session_seen", "timers"):
+                self.executemany(f"DELETE FROM {table} WHERE session_id = ?", deleted)  # noqa: S608 - constants
+            written.deleted += len(deleted)
         schema = self._schema
-        saved = [
-            (sid, next(self._touched), dumps(live.to_plain(schema)))
+        stored = self._stored
+        changed = [
+            session_rows(live.to_plain(schema), stored.get(sid))
             for sid, live in sessions.items() if live is not None and schema is not None
         ]
-        if saved:
+        if changed:
             self.executemany(
                 "INSERT INTO sessions (session_id, touched, body) VALUES (?, ?, ?)"
                 " ON CONFLICT (session_id) DO UPDATE SET touched = excluded.touched, body = excluded.body",
-                saved,
+                [(r.session_id, next(self._touched), r.head) for r in changed],
             )
+            written.heads += len(changed)
+            gone = [(r.session_id, rule, grp) for r in changed for rule, grp in r.gone_groups]
+            if gone:
+                self.executemany("DELETE FROM session_groups WHERE session_id = ? AND rule_id = ? AND grp = ?", gone)
+                written.deleted += len(gone)
+            below = [(r.session_id, r.seen_below) for r in changed if r.seen_below is not None]
+            if below:
+                self.executemany("DELETE FROM session_seen WHERE session_id = ? AND chunk < ?", below)
+            groups, chunks = self._insert_rows(changed)
+            written.groups += groups
+            written.seen_chunks += chunks
+        self._storing = {sid: None for sid, body in sessions.items() if body is None}
+        self._storing.update((r.session_id, r.stored) for r in changed)
+        self.rows_written = written
         removed = [(sid, rule, group_text(group)) for (sid, rule, group), due in timers.items() if due is None]
         if removed:
             self.executemany("DELETE FROM timers WHERE session_id = ? AND rule_id = ? AND grp = ?", removed)
@@ -246,6 +314,30 @@ class SqlStateStore(StateStore):
                 put,
             )
         return self._write_engine(engine) if engine is not None else None
+
+    def _insert_rows(self, changed: Sequence[SessionRows]) -> tuple[int, int]:
+        """Write the group and digest rows of changed sessions; the numbers of each written."""
+        rewrite = [(r.session_id,) for r in changed if r.rewrite]
+        if rewrite:
+            # Sessions this store did not know: whatever rows they may have go first.
+            self.executemany("DELETE FROM session_groups WHERE session_id = ?", rewrite)
+            self.executemany("DELETE FROM session_seen WHERE session_id = ?", rewrite)
+        groups = [(r.session_id, rule, grp, ord_, body) for r in changed for rule, grp, ord_, body in r.put_groups]
+        if groups:
+            self.executemany(
+                "INSERT INTO session_groups (session_id, rule_id, grp, ord, body) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (session_id, rule_id, grp) DO UPDATE SET ord = excluded.ord, body = excluded.body",
+                groups,
+            )
+        chunks = [(r.session_id, chunk, first, body) for r in changed for chunk, first, body in r.put_seen]
+        if chunks:
+            self.executemany(
+                "INSERT INTO session_seen (session_id, chunk, start_index, body) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (session_id, chunk) DO UPDATE SET start_index = excluded.start_index,"
+                " body = excluded.body",
+                chunks,
+            )
+        return len(groups), len(chunks)
 
     def _write_engine(self, engine: EngineStateLike) -> tuple[list[int], list[int]] | None:
         from processor.evaluate.engine import EngineState
@@ -313,6 +405,7 @@ class SqlStateStore(StateStore):
         self._pending_sessions = {}
         self._pending_timers = {}
         self._pending_engine = None
+        self._stored = {}  # the engine built next loads its sessions, and this with them
         self._load_timers()
         self.stale = False
 
@@ -358,15 +451,33 @@ class SqlStateStore(StateStore):
 
     def load_sessions(self, schema: RuleSchema) -> Iterator[SessionState]:
         clause, params = self.owned_sessions_clause()
-        statement = f"SELECT session_id, body FROM sessions WHERE {clause} ORDER BY touched"  # noqa: S608
-        rows = self.query(statement, params)
+        # The clause is a constant of the store class; values are parameters.
+        heads = self.query(f"SELECT session_id, body FROM sessions WHERE {clause} ORDER BY touched", params)  # noqa: S608
+        groups: dict[str, list[tuple[str, str, int, bytes]]] = {}
+        for sid, rule_id, grp, ord_, body in self.query(
+            f"SELECT session_id, rule_id, grp, ord, body FROM session_groups WHERE {clause}"  # noqa: S608
+            " ORDER BY session_id, ord", params,
+        ):
+            groups.setdefault(str(sid), []).append((str(rule_id), str(grp), int(ord_), bytes(body)))
+        chunks: dict[str, list[tuple[int, int, bytes]]] = {}
+        for sid, chunk, first, body in self.query(
+            f"SELECT session_id, chunk, start_index, body FROM session_seen WHERE {clause}"  # noqa: S608
+            " ORDER BY session_id, chunk", params,
+        ):
+            chunks.setdefault(str(sid), []).append((int(chunk), int(first), bytes(body)))
+        self._stored = {}
         skipped = 0
-        for _, body in rows:
+        for sid, head in heads:
+            session_id = str(sid)
             try:
-                yield SessionState.from_plain(schema, orjson.loads(bytes(body)))
+                plain, stored = session_plain(bytes(head), groups.pop(session_id, ()), chunks.pop(session_id, ()))
+                session = SessionState.from_plain(schema, plain)
             except (ValueError, KeyError, TypeError, IndexError):
                 # One unreadable session must not keep every other from starting (ids are not logged).
                 skipped += 1
+                continue
+            self._stored[session_id] = stored
+            yield session
         if skipped:
             log.error("%d session(s) could not be restored from the state store", skipped)
 

@@ -1,0 +1,204 @@
+"""Sessions stored as rows: a commit writes what changed of a session, and a restart restores it exactly.
+
+Run on SQLite and on a real PostgreSQL server; the migration of a state file of the
+previous layout (one whole row per session) is checked on SQLite.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from processor.errors import StateError
+from processor.evaluate.engine import Engine, EngineOptions
+from processor.state.postgres import PostgresStore
+from processor.state.session import CountState, RuleSchema, SessionState
+from processor.state.sessionrows import SEEN_CHUNK
+from processor.state.sqlite import SqliteStore
+from processor.state.sqlstore import SqlStateStore
+from tests._engine_util import Spans, fired, shipped
+from tests.pg_support import fresh_database, pg_server
+
+__all__ = ["pg_server"]  # the fixture, used by name
+
+SCHEMA = RuleSchema(
+    rule_ids=("R_COUNT", "R_CHANGE"),
+    kinds=("count", "change"),
+    first_names=((), ()),
+)
+GROUP_LIMIT = 40
+SEEN_LIMIT = 150
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], SqlStateStore]]:
+    """Opens the store again on the same database, as a restarted process does."""
+    opened: list[SqlStateStore] = []
+    if request.param == "sqlite":
+        def make() -> SqlStateStore:
+            for store in opened:
+                store.close()
+            opened.append(SqliteStore(tmp_path / "state.db"))
+            return opened[-1]
+    else:
+        url = fresh_database(request.getfixturevalue("pg_server"))
+
+        def make() -> SqlStateStore:
+            for store in opened:
+                store.close()
+            opened.append(PostgresStore(url, replica_id="r1", lease_ttl_s=30))
+            return opened[-1]
+    yield make
+    for store in opened:
+        store.close()
+
+
+def _plain_of(store: SqlStateStore) -> dict[str, dict[str, Any]]:
+    return {s.session_id: s.to_plain(SCHEMA) for s in store.load_sessions(SCHEMA)}
+
+
+def _session_with_groups(groups: int) -> SessionState:
+    session = SessionState("s1")
+    for g in range(groups):
+        session.put_group(0, f"g{g}", CountState([g], 1), SCHEMA.width, GROUP_LIMIT)
+    session.count_kind("tool_call")
+    session.activity_ns = 1
+    return session
+
+
+def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Callable[[], SqlStateStore]) -> None:
+    store = open_store()
+    session = _session_with_groups(30)
+    for d in range(3 * SEEN_CHUNK):
+        session.check_seen(d + 1, 10_000)
+    store.save_session(session, SCHEMA)
+    store.commit()
+    assert (store.rows_written.heads, store.rows_written.groups, store.rows_written.seen_chunks) == (1, 30, 3)
+
+    # One group changes, one digest arrives: one head, one group row, the last digest chunk.
+    session.put_group(0, "g7", CountState([7, 8], 2), SCHEMA.width, GROUP_LIMIT)
+    session.check_seen(10_001, 10_000)
+    session.activity_ns = 2
+    store.save_session(session, SCHEMA)
+    store.commit()
+    assert (store.rows_written.heads, store.rows_written.groups, store.rows_written.seen_chunks) == (1, 1, 1)
+
+    # A group that only becomes the newest again (same state) is rewritten: its order changed.
+    session.put_group(0, "g3", session.get_group(0, "g3"), SCHEMA.width, GROUP_LIMIT)
+    session.drop_group(0, "g0")
+    store.save_session(session, SCHEMA)
+    store.commit()
+    assert (store.rows_written.groups, store.rows_written.seen_chunks, store.rows_written.deleted) == (1, 0, 1)
+
+    restarted = open_store()
+    assert _plain_of(restarted) == {"s1": session.to_plain(SCHEMA)}
+    # The restarted store knows what it loaded: one more change writes one group again.
+    loaded = next(iter(restarted.load_sessions(SCHEMA)))
+    loaded.put_group(1, "k", "first value", SCHEMA.width, GROUP_LIMIT)
+    restarted.save_session(loaded, SCHEMA)
+    restarted.commit()
+    assert (restarted.rows_written.groups, restarted.rows_written.seen_chunks) == (1, 0)
+    assert _plain_of(open_store()) == {"s1": loaded.to_plain(SCHEMA)}
+
+
+def _mutate(rng: random.Random, session: SessionState, digest: list[int]) -> None:
+    roll = rng.random()
+    key = f"g{rng.randrange(60)}"
+    if roll < 0.35:
+        times = sorted(rng.randrange(1000) for _ in range(rng.randrange(1, 4)))
+        session.put_group(0, key, CountState(times, len(times), rng.random() < 0.2), SCHEMA.width, GROUP_LIMIT)
+    elif roll < 0.45:
+        session.put_group(1, rng.choice([key, 7, (1, "x"), None]), rng.choice(["v", 1.5, {"a": [1]}]),
+                          SCHEMA.width, GROUP_LIMIT)
+    elif roll < 0.55:
+        session.drop_group(rng.randrange(2), key)
+    elif roll < 0.6:
+        # A burst of more new digests than are kept: everything stored is forgotten at once.
+        for _ in range(SEEN_LIMIT + rng.randrange(5)):
+            digest[0] += 1
+            session.check_seen(digest[0], SEEN_LIMIT)
+    else:
+        for _ in range(rng.randrange(1, 20)):
+            digest[0] += 1
+            session.check_seen(digest[0], SEEN_LIMIT)
+        session.count_kind(rng.choice(["tool_call", "payment"]))
+    session.activity_ns = rng.randrange(10**12)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_restarts_restore_exactly_what_was_committed(open_store: Callable[[], SqlStateStore], seed: int) -> None:
+    rng = random.Random(seed)
+    store = open_store()
+    live = {f"s{i}": SessionState(f"s{i}") for i in range(6)}
+    saved: set[str] = set()
+    digest = [0]
+    restarts = 0
+    for step in range(150):
+        for _ in range(rng.randrange(1, 8)):
+            sid = rng.choice(sorted(live))
+            _mutate(rng, live[sid], digest)
+            store.save_session(live[sid], SCHEMA)
+            saved.add(sid)
+        if rng.random() < 0.1:
+            gone = rng.choice(sorted(live))
+            store.delete_session(gone)
+            saved.discard(gone)
+            live[gone] = SessionState(gone)  # the same id may come back later, as a new session
+        store.commit()
+        if step % 15 == 14:
+            store = open_store()
+            restarts += 1
+            loaded = {s.session_id: s for s in store.load_sessions(SCHEMA)}
+            assert {sid: s.to_plain(SCHEMA) for sid, s in loaded.items()} == {
+                sid: live[sid].to_plain(SCHEMA) for sid in saved
+            }
+            # The process goes on with what it loaded, as serve does after a restart.
+            live = {sid: loaded.get(sid, SessionState(sid)) for sid in live}
+    assert restarts == 10
+
+
+def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    spans = Spans()
+    first = SqliteStore(path)
+    engine = Engine(shipped(), EngineOptions(), first)
+    engine.submit_many([spans(1.0, "s1", workflow_state="awaiting_approval", wait_timeout_s=3, action_id="w1"),
+                        spans(2.0, "s2", kind="payment"), spans(7.0, "s1")])
+    expected = {s.session_id: s.to_plain(engine.schema) for s in first.load_sessions(engine.schema)}
+    first.close()
+    # The same state as the previous layout wrote it: each session whole in its row, version 1.
+    conn = sqlite3.connect(path)
+    for sid, plain in expected.items():
+        conn.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (orjson.dumps(plain), sid))
+    conn.execute("DELETE FROM session_groups")
+    conn.execute("DELETE FROM session_seen")
+    conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+
+    again = SqliteStore(path)
+    restored = Engine(shipped(), EngineOptions(), again)
+    assert {s.session_id: s.to_plain(restored.schema) for s in again.load_sessions(restored.schema)} == expected
+    assert again.meta_get("schema_version") == "2"
+    found = restored.submit_many([spans(10.0, "s3")]) + restored.finish()
+    assert ("DS107", "s1", "w1") in fired(found)
+    again.close()
+
+
+def test_a_state_file_of_an_unknown_layout_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    SqliteStore(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StateError) as caught:
+        SqliteStore(path)
+    message = str(caught.value)
+    assert str(path) in message and "schema version 9" in message and "move the database aside" in message

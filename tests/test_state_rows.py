@@ -17,6 +17,7 @@ import pytest
 
 from processor.errors import StateError
 from processor.evaluate.engine import Engine, EngineOptions
+from processor.state.bufferrows import live_entries
 from processor.state.postgres import PostgresStore
 from processor.state.session import CountState, RuleSchema, SessionState
 from processor.state.sessionrows import SEEN_CHUNK
@@ -169,7 +170,7 @@ def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) ->
     first = SqliteStore(path)
     engine = Engine(shipped(), EngineOptions(), first)
     engine.submit_many([spans(1.0, "s1", workflow_state="awaiting_approval", wait_timeout_s=3, action_id="w1"),
-                        spans(2.0, "s2", kind="payment"), spans(7.0, "s1")])
+                        spans(2.0, "s2", kind="payment"), spans(7.0, "s1"), spans(6.9, "s2"), spans(7.0, "s2")])
     expected = {s.session_id: s.to_plain(engine.schema) for s in first.load_sessions(engine.schema)}
     first.close()
     # The same state as the previous layout wrote it: each session whole in its row, version 1.
@@ -178,14 +179,24 @@ def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) ->
         conn.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (orjson.dumps(plain), sid))
     conn.execute("DELETE FROM session_groups")
     conn.execute("DELETE FROM session_seen")
+    # ... and each buffered span in a row of its own.
+    buffered = live_entries(conn.execute("SELECT body, released FROM buffer_segments"))
+    assert buffered, "the workload must leave spans in the reordering buffer"
+    conn.execute("CREATE TABLE engine_buffer (replica_id TEXT NOT NULL, arrival INTEGER NOT NULL,"
+                 " body BLOB NOT NULL, PRIMARY KEY (replica_id, arrival))")
+    conn.executemany("INSERT INTO engine_buffer VALUES ('local', ?, ?)",
+                     [(e["arrival"], orjson.dumps(e)) for e in buffered])
+    conn.execute("DROP TABLE buffer_segments")
     conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     conn.commit()
     conn.close()
 
     again = SqliteStore(path)
+    assert again.load_engine()["buffer"] == buffered
     restored = Engine(shipped(), EngineOptions(), again)
     assert {s.session_id: s.to_plain(restored.schema) for s in again.load_sessions(restored.schema)} == expected
     assert again.meta_get("schema_version") == "2"
+    assert not again.has_table("engine_buffer")
     found = restored.submit_many([spans(10.0, "s3")]) + restored.finish()
     assert ("DS107", "s1", "w1") in fired(found)
     again.close()
@@ -202,3 +213,31 @@ def test_a_state_file_of_an_unknown_layout_is_refused_naming_it(tmp_path: Path) 
         SqliteStore(path)
     message = str(caught.value)
     assert str(path) in message and "schema version 9" in message and "move the database aside" in message
+
+
+def _buffer_rows(store: SqlStateStore) -> list[tuple[int, int]]:
+    """(segment, spans still held) of each stored buffer segment."""
+    rows = store.query("SELECT segment, body, released FROM buffer_segments ORDER BY segment")
+    return [(int(segment), len(live_entries([(body, released)]))) for segment, body, released in rows]
+
+
+def test_the_reordering_buffer_is_written_as_one_segment_per_commit(open_store: Callable[[], SqlStateStore]) -> None:
+    spans = Spans()
+    store = open_store()
+    engine = Engine(shipped(), EngineOptions(allowed_lateness_s=5.0), store)
+    # 40 spans within the lateness: one commit, one row holding all of them.
+    engine.submit_many([spans(1.0 + i * 0.1, f"s{i % 4}", action_id=f"a{i}") for i in range(40)])
+    assert _buffer_rows(store) == [(1, 40)]
+    # The watermark (3.0) passes the first 21: they are marked released in that row; the new span
+    # is the next segment.
+    engine.submit_many([spans(8.0, "s9", action_id="late-mover")])
+    assert len(engine._state.buffer) == 20
+    assert _buffer_rows(store) == [(1, 19), (2, 1)]
+    restarted = open_store()
+    restored = restarted.load_engine()
+    assert isinstance(restored, dict)
+    assert sorted(e["arrival"] for e in restored["buffer"]) == sorted(b.arrival for b in engine._state.buffer)
+    # Everything released: the segments go.
+    again = Engine(shipped(), EngineOptions(allowed_lateness_s=5.0), restarted)
+    again.submit_many([spans(30.0, "s9", action_id="last")])
+    assert _buffer_rows(restarted) == [(3, 1)]

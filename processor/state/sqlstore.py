@@ -37,6 +37,7 @@ import orjson
 
 from processor.errors import StateError
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
+from processor.state.bufferrows import BufferSegments, BufferWrite, live_entries
 from processor.state.memory import MemoryStore
 from processor.state.session import GroupKey, RuleSchema, SessionState, group_key_from_plain, group_key_to_plain
 from processor.state.sessionrows import SessionRows, Stored, dumps, session_plain, session_rows
@@ -44,17 +45,20 @@ from processor.state.sessionrows import SessionRows, Stored, dumps, session_plai
 log = logging.getLogger(__name__)
 
 # 2: sessions are a head row, one row per rule group and chunked delivery-key digests
-# (processor.state.sessionrows); 1 kept each session whole in one row and is migrated at open.
+# (processor.state.sessionrows), the reordering buffer is in segments (processor.state.bufferrows);
+# 1 kept each session whole in one row and each buffered span in a row, and is migrated at open.
 SCHEMA_VERSION: Final = 2
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
 TABLES: Final = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS engine (replica_id TEXT PRIMARY KEY, body {BLOB} NOT NULL)",
-    # The reordering buffer, one row per span: a commit writes the spans that came and deletes
-    # those released, instead of the whole buffer (seconds of traffic) every time.
-    "CREATE TABLE IF NOT EXISTS engine_buffer ("
-    " replica_id TEXT NOT NULL, arrival {INT} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (replica_id, arrival))",
+    # The reordering buffer, one segment per commit that buffered spans (processor.state.bufferrows):
+    # a commit writes the spans that came in one row and marks those released in a bitmap,
+    # instead of a row per span in and out.
+    "CREATE TABLE IF NOT EXISTS buffer_segments ("
+    " replica_id TEXT NOT NULL, segment {INT} NOT NULL, first_arrival {INT} NOT NULL, last_arrival {INT} NOT NULL,"
+    " arrivals {BLOB} NOT NULL, released {BLOB} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (replica_id, segment))",
     # A session as rows (processor.state.sessionrows): its head, its groups, its digests; a
     # commit writes what changed of a session, not all it holds.
     "CREATE TABLE IF NOT EXISTS sessions ("
@@ -113,8 +117,8 @@ class SqlStateStore(StateStore):
         self._schema: RuleSchema | None = None
         self._pending_timers: dict[_TimerId, int | None] = {}
         self._pending_engine: EngineStateLike | None = None
-        # Arrival numbers of the buffered spans the database holds.
-        self._stored_arrivals: set[int] = set()
+        # Which buffered spans the database holds, in which segment.
+        self._buffer = BufferSegments()
         self._deferring = False
         self._unit_ops: list[UnitOp] = []
         self._unit_after: list[UnitOp] = []
@@ -147,6 +151,10 @@ class SqlStateStore(StateStore):
     @abstractmethod
     def rollback(self) -> None:
         """Abandon the transaction; never raises."""
+
+    @abstractmethod
+    def has_table(self, name: str) -> bool:
+        """True when the database has a table of that name."""
 
     @abstractmethod
     def translate(self, exc: Exception) -> StateError | None:
@@ -184,9 +192,27 @@ class SqlStateStore(StateStore):
             self.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (split.head, str(session_id)))
             self._insert_rows([split])
             migrated += 1
+        if self.has_table("engine_buffer"):
+            self._migrate_buffer_rows()
         self.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
         log.warning("the state database %s was migrated from schema version 1 to %d (%d sessions)",
                     where, SCHEMA_VERSION, migrated)
+
+    def _migrate_buffer_rows(self) -> None:
+        """Version 1 kept a row per buffered span: each replica's become one segment."""
+        by_replica: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        for replica, arrival, body in self.execute("SELECT replica_id, arrival, body FROM engine_buffer").fetchall():
+            by_replica.setdefault(str(replica), []).append((int(arrival), orjson.loads(bytes(body))))
+        for replica, spans in by_replica.items():
+            self.insert_segment(replica, BufferSegments().plan((), spans))
+        self.execute("DROP TABLE engine_buffer")
+
+    def insert_segment(self, replica_id: str, write: BufferWrite) -> None:
+        if write.insert is not None:
+            self.execute(
+                "INSERT INTO buffer_segments (replica_id, segment, first_arrival, last_arrival, arrivals, released,"
+                " body) VALUES (?, ?, ?, ?, ?, ?, ?)", (replica_id, *write.insert),
+            )
 
     def owned_sessions_clause(self) -> tuple[str, tuple[Any, ...]]:
         """A WHERE condition on ``session_id`` selecting the sessions this store loads (all, for one replica)."""
@@ -240,7 +266,7 @@ class SqlStateStore(StateStore):
                 [sid for sid, body in sessions.items() if body is not None],
                 [sid for sid, body in sessions.items() if body is None],
             )
-            arrivals = self._write_state(sessions, timers, engine)
+            buffered = self._write_state(sessions, timers, engine)
             for op in ops:
                 op()
             self.commit_transaction()
@@ -250,10 +276,8 @@ class SqlStateStore(StateStore):
                 else:
                     self._stored[sid] = held
             self._storing = {}
-            if arrivals is not None:
-                gone, added = arrivals
-                self._stored_arrivals.difference_update(gone)
-                self._stored_arrivals.update(added)
+            if buffered is not None:
+                self._buffer.apply(buffered)
         except StateError:
             self._storing = {}
             self.rollback()
@@ -269,8 +293,8 @@ class SqlStateStore(StateStore):
             raise translated from None
 
     def _write_state(self, sessions: dict[str, SessionState | None], timers: dict[_TimerId, int | None],
-                     engine: EngineStateLike | None) -> tuple[list[int], list[int]] | None:
-        """Write the pending changes; returns the buffered arrivals deleted and added once committed."""
+                     engine: EngineStateLike | None) -> BufferWrite | None:
+        """Write the pending changes; returns the buffer's writes, for its index once committed."""
         written = RowsWritten()
         deleted = [(sid,) for sid, body in sessions.items() if body is None]
         if deleted:
@@ -339,19 +363,20 @@ class SqlStateStore(StateStore):
             )
         return len(groups), len(chunks)
 
-    def _write_engine(self, engine: EngineStateLike) -> tuple[list[int], list[int]] | None:
+    def _write_engine(self, engine: EngineStateLike) -> BufferWrite | None:
         from processor.evaluate.engine import EngineState
 
-        arrivals: tuple[list[int], list[int]] | None = None
+        buffered: BufferWrite | None = None
         if isinstance(engine, EngineState):
-            head, gone, added = _split_engine_state(engine, self._stored_arrivals)
-            arrivals = (gone, [a for a, _ in added])
-            if gone:
-                self.executemany("DELETE FROM engine_buffer WHERE replica_id = ? AND arrival = ?",
-                                 [(self.replica_id, a) for a in gone])
-            if added:
-                self.executemany("INSERT INTO engine_buffer (replica_id, arrival, body) VALUES (?, ?, ?)",
-                                 [(self.replica_id, a, dumps(plain)) for a, plain in added])
+            head, gone, added = _split_engine_state(engine, self._buffer)
+            buffered = self._buffer.plan(gone, added)
+            if buffered.deletes:
+                self.executemany("DELETE FROM buffer_segments WHERE replica_id = ? AND segment = ?",
+                                 [(self.replica_id, segment) for segment in buffered.deletes])
+            if buffered.updates:
+                self.executemany("UPDATE buffer_segments SET released = ? WHERE replica_id = ? AND segment = ?",
+                                 [(bitmap, self.replica_id, segment) for segment, bitmap in buffered.updates])
+            self.insert_segment(self.replica_id, buffered)
             body = dumps(head)
         else:
             body = dumps(engine.to_plain())
@@ -360,7 +385,7 @@ class SqlStateStore(StateStore):
             " ON CONFLICT (replica_id) DO UPDATE SET body = excluded.body",
             (self.replica_id, body),
         )
-        return arrivals
+        return buffered
 
     @contextlib.contextmanager
     def unit(self) -> Iterator[None]:
@@ -418,9 +443,9 @@ class SqlStateStore(StateStore):
             group = group_key_from_plain(orjson.loads(grp))
             index.put_timer(TimerEntry(int(due), str(session_id), str(rule_id), group))
         self._timer_index = index
-        self._stored_arrivals = {
-            int(r[0]) for r in self.query("SELECT arrival FROM engine_buffer WHERE replica_id = ?", (self.replica_id,))
-        }
+        self._buffer = BufferSegments()
+        self._buffer.load(self.query("SELECT segment, arrivals, released FROM buffer_segments WHERE replica_id = ?",
+                                     (self.replica_id,)))
         top = self.query("SELECT max(touched) FROM sessions")
         start = int(top[0][0]) + 1 if top and top[0][0] is not None else 1
         self._touched = itertools.count(start)
@@ -433,7 +458,7 @@ class SqlStateStore(StateStore):
     def engine_plain(self, replica_id: str) -> dict[str, Any] | None:
         """A replica's engine-wide state as plain data, its reordering buffer put back together."""
         rows = self.query("SELECT body FROM engine WHERE replica_id = ?", (replica_id,))
-        buffered = self.query("SELECT body FROM engine_buffer WHERE replica_id = ? ORDER BY arrival", (replica_id,))
+        buffered = self.query("SELECT body, released FROM buffer_segments WHERE replica_id = ?", (replica_id,))
         if not rows and not buffered:
             return None
         if rows:
@@ -443,7 +468,7 @@ class SqlStateStore(StateStore):
             from processor.evaluate.engine import EngineState
 
             loaded = EngineState().to_plain()
-        loaded["buffer"] = [*loaded.get("buffer", ()), *(orjson.loads(bytes(r[0])) for r in buffered)]
+        loaded["buffer"] = [*loaded.get("buffer", ()), *live_entries(buffered)]
         return loaded
 
     def save_engine(self, state: EngineStateLike) -> None:
@@ -539,9 +564,9 @@ class SqlStateStore(StateStore):
 
 
 def _split_engine_state(
-    state: Any, stored: set[int]
+    state: Any, stored: BufferSegments
 ) -> tuple[dict[str, Any], list[int], list[tuple[int, dict[str, Any]]]]:
-    """The engine-wide state without its buffer, the stored arrivals released since the last write, and
+    """The engine-wide state without its buffer, the arrivals released since the last write, and
     the plain form of the spans buffered since then (only those are converted).
 
     The engine notes what it buffers and releases once asked to (``added``/``released``), so a
@@ -558,11 +583,14 @@ def _split_engine_state(
         state.buffer = buffer
     if state.added is None or state.released is None:
         arrivals = {item.arrival for item in buffer}
-        gone = [a for a in stored if a not in arrivals]
-        fresh = [item for item in buffer if item.arrival not in stored]
+        held = stored.live_arrivals()
+        gone = [a for a in held if a not in arrivals]
+        fresh = [item for item in buffer if item.arrival not in held]
     else:
-        released = set(state.released)
-        gone = [a for a in released if a in stored]
+        # Released arrivals that were never stored (buffered and released between two writes)
+        # are not found in the segments and cost nothing.
+        gone = state.released
+        released = set(gone)
         fresh = [item for item in state.added if item.arrival not in released]
     state.added = []
     state.released = []

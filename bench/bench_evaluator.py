@@ -9,7 +9,9 @@ and put into serve's own queue as fast as it takes them; the worker journals,
 acknowledges, converts, evaluates, commits and hands violations to a JSONL exporter
 exactly as in serve, built from the same configuration code. The rate is spans per
 CPU-second of the process (the worker thread is the only busy one) from the first put
-until every request was evaluated; wall time is reported beside it.
+until every request was evaluated; wall time is reported beside it. ``--rate`` paces the
+requests as a steady sender would: the worker then commits as it does in serve at that
+rate (every 50 ms), so the CPU per span is what serve's evaluator spends at that rate.
 
 ``--profile OUT`` runs the worker thread under cProfile and writes its statistics to
 ``OUT.<state>.pstats`` (and prints the 25 most expensive functions by own time).
@@ -37,7 +39,8 @@ from processor.telemetry import Telemetry
 from processor.worker import EvaluatorWorker
 
 
-def measure(templates: list[Template], state: str, profile: Path | None = None) -> dict[str, Any]:
+def measure(templates: list[Template], state: str, profile: Path | None = None,
+            rate: float | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="durable-check-evaluator-") as tmp:
         work = Path(tmp)
         text = (f"state:\n  backend: {state}\n  path: {work / 'state.db'}\n"
@@ -68,7 +71,10 @@ def measure(templates: list[Template], state: str, profile: Path | None = None) 
                    for b, t in zip(bodies, templates, strict=True)]
         spans = sum(t.spans for t in templates)
         cpu0, wall0 = time.process_time(), time.monotonic()
-        for batch in batches:
+        for index, batch in enumerate(batches):
+            if rate is not None:
+                # Paced as a steady sender would be: request i leaves at i * 512 / rate seconds.
+                time.sleep(max(0.0, wall0 + index * batch.span_count / rate - time.monotonic()))
             while True:
                 try:
                     queue.try_put(batch)
@@ -90,7 +96,7 @@ def measure(templates: list[Template], state: str, profile: Path | None = None) 
             out = profile.with_name(f"{profile.name}.{state}.pstats")
             profiler.dump_stats(out)
             pstats.Stats(str(out)).sort_stats("tottime").print_stats(25)
-        return {"state": state, "requests": len(batches), "spans": spans, "cpu_s": round(cpu, 3),
+        return {"state": state, "rate": rate, "requests": len(batches), "spans": spans, "cpu_s": round(cpu, 3),
                 "wall_s": round(wall, 3), "spans_per_cpu_s": round(spans / cpu), "spans_per_s": round(spans / wall)}
 
 
@@ -101,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", nargs="+", default=["memory", "sqlite"], choices=["memory", "sqlite"])
     parser.add_argument("--runs", type=int, default=1, help="runs of each store, alternating")
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--rate", type=float, default=None,
+                        help="offer the requests at this many spans/s (default: as fast as the queue takes them); "
+                             "the CPU per span at a given rate is what a live serve spends")
     args = parser.parse_args(argv)
     templates = load_templates(args.dump, args.requests)
     for _ in range(args.runs):
         for state in args.state:
-            print(measure(templates, state, args.profile), flush=True)
+            print(measure(templates, state, args.profile, args.rate), flush=True)
     return 0
 
 

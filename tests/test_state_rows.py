@@ -14,17 +14,23 @@ from typing import Any
 
 import orjson
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from processor.errors import StateError
 from processor.evaluate.engine import Engine, EngineOptions
 from processor.state.bufferrows import live_entries
 from processor.state.postgres import PostgresStore
 from processor.state.session import CountState, RuleSchema, SessionState
-from processor.state.sessionrows import SEEN_CHUNK
+from processor.state.sessionrows import MAX_DELTAS
 from processor.state.sqlite import SqliteStore
 from processor.state.sqlstore import SqlStateStore
 from tests._engine_util import Spans, fired, shipped
 from tests.pg_support import fresh_database, pg_server
+from tests.test_session_identity import LLM, Clock, agent_run
+from tests.test_session_identity import convert as identity_convert
+from tests.test_session_identity import engine as identity_engine
 
 __all__ = ["pg_server"]  # the fixture, used by name
 
@@ -73,39 +79,71 @@ def _session_with_groups(groups: int) -> SessionState:
     return session
 
 
+def _deltas(store: SqlStateStore) -> list[dict[str, Any]]:
+    return [orjson.loads(bytes(r[0])) for r in store.query("SELECT body FROM session_deltas ORDER BY touched")]
+
+
 def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Callable[[], SqlStateStore]) -> None:
     store = open_store()
     session = _session_with_groups(30)
-    for d in range(3 * SEEN_CHUNK):
+    for d in range(3 * 64):
         session.check_seen(d + 1, 10_000)
     store.save_session(session, SCHEMA)
     store.commit()
-    assert (store.rows_written.heads, store.rows_written.groups, store.rows_written.seen_chunks) == (1, 30, 3)
+    assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (1, 0, 30)
+    base_bytes = store.rows_written.bytes
 
-    # One group changes, one digest arrives: one head, one group row, the last digest chunk.
-    session.put_group(0, "g7", CountState([7, 8], 2), SCHEMA.width, GROUP_LIMIT)
+    # One group changes in place, one digest arrives: a delta with just those.
+    count = session.get_group(0, "g7")
+    count.times.append(8)
+    count.count = 2
     session.check_seen(10_001, 10_000)
     session.activity_ns = 2
     store.save_session(session, SCHEMA)
     store.commit()
-    assert (store.rows_written.heads, store.rows_written.groups, store.rows_written.seen_chunks) == (1, 1, 1)
+    assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (0, 1, 1)
+    assert store.rows_written.bytes * 10 < base_bytes
+    delta = _deltas(store)[-1]
+    assert [(r, k) for r, k, _ in delta["set"]] == [("R_COUNT", "g7")] and delta["move"] == []
+    assert (delta["seen"], delta["forget"], delta["head"]["activity_ns"]) == ([10_001], 0, 2)
 
-    # A group that only becomes the newest again (same state) is rewritten: its order changed.
+    # A group that becomes the newest again (same state) moves; a dropped one is said so.
     session.put_group(0, "g3", session.get_group(0, "g3"), SCHEMA.width, GROUP_LIMIT)
     session.drop_group(0, "g0")
     store.save_session(session, SCHEMA)
     store.commit()
-    assert (store.rows_written.groups, store.rows_written.seen_chunks, store.rows_written.deleted) == (1, 0, 1)
+    delta = _deltas(store)[-1]
+    assert ([(r, k) for r, k, _ in delta["move"]], delta["drop"], delta["set"]) == ([("R_COUNT", "g3")],
+                                                                                  [["R_COUNT", "g0"]], [])
 
     restarted = open_store()
     assert _plain_of(restarted) == {"s1": session.to_plain(SCHEMA)}
-    # The restarted store knows what it loaded: one more change writes one group again.
+    # The restarted store knows what it loaded: one more change is one more small delta.
     loaded = next(iter(restarted.load_sessions(SCHEMA)))
     loaded.put_group(1, "k", "first value", SCHEMA.width, GROUP_LIMIT)
     restarted.save_session(loaded, SCHEMA)
     restarted.commit()
-    assert (restarted.rows_written.groups, restarted.rows_written.seen_chunks) == (1, 0)
+    assert (restarted.rows_written.deltas, restarted.rows_written.groups) == (1, 1)
     assert _plain_of(open_store()) == {"s1": loaded.to_plain(SCHEMA)}
+
+
+def test_deltas_are_folded_into_a_new_base_once_they_outweigh_it(open_store: Callable[[], SqlStateStore]) -> None:
+    store = open_store()
+    session = _session_with_groups(3)
+    store.save_session(session, SCHEMA)
+    store.commit()
+    commits = 0
+    while True:
+        commits += 1
+        session.put_group(0, f"n{commits}", CountState([commits], 1), SCHEMA.width, GROUP_LIMIT)
+        store.save_session(session, SCHEMA)
+        store.commit()
+        if store.rows_written.bases:
+            break
+        assert commits <= MAX_DELTAS
+    # The deltas were replaced by the base; the session reads back the same.
+    assert store.query("SELECT count(*) FROM session_deltas")[0][0] == 0
+    assert _plain_of(open_store()) == {"s1": session.to_plain(SCHEMA)}
 
 
 def _mutate(rng: random.Random, session: SessionState, digest: list[int]) -> None:
@@ -177,8 +215,7 @@ def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) ->
     conn = sqlite3.connect(path)
     for sid, plain in expected.items():
         conn.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (orjson.dumps(plain), sid))
-    conn.execute("DELETE FROM session_groups")
-    conn.execute("DELETE FROM session_seen")
+    conn.execute("DELETE FROM session_deltas")
     # ... and each buffered span in a row of its own.
     buffered = live_entries(conn.execute("SELECT body, released FROM buffer_segments"))
     assert buffered, "the workload must leave spans in the reordering buffer"
@@ -241,3 +278,35 @@ def test_the_reordering_buffer_is_written_as_one_segment_per_commit(open_store: 
     again = Engine(shipped(), EngineOptions(allowed_lateness_s=5.0), restarted)
     again.submit_many([spans(30.0, "s9", action_id="last")])
     assert _buffer_rows(restarted) == [(3, 1)]
+
+
+def _trace_rows(store: SqlStateStore) -> dict[str, int]:
+    return {str(t): int(o) for t, o in store.query("SELECT trace_id, ord FROM engine_traces")}
+
+
+def test_what_traces_named_is_written_a_trace_at_a_time(open_store: Callable[[], SqlStateStore]) -> None:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer, clock = provider.get_tracer("tests"), Clock()
+    store = open_store()
+    checker = identity_engine(store)
+    for run in range(4):
+        agent_run(tracer, clock, {"gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": f"conv-{run}"},
+                  [("chat", LLM)])
+    checker.submit_many(identity_convert(memory.get_finished_spans()))
+    first = _trace_rows(store)
+    assert len(first) == 4
+    # One more run in a new trace: its row is written; the other rows are not touched.
+    memory.clear()
+    agent_run(tracer, clock, {"gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": "conv-9"},
+              [("chat", LLM)])
+    checker.submit_many(identity_convert(memory.get_finished_spans()))
+    second = _trace_rows(store)
+    assert {t: o for t, o in second.items() if t in first} == first
+    assert len(second) == 5 and max(second.values()) == max(first.values()) + 1
+    # A restart reads back what the engine remembers, in its order.
+    restored = open_store().load_engine()
+    assert isinstance(restored, dict)
+    assert restored["identity"] == checker._state.identity.to_plain()
+    provider.shutdown()

@@ -325,5 +325,6 @@ class PostgresStore(SqlStateStore):
                 (me, number, arrivals[0], arrivals[-1], pack_arrivals(arrivals), bytes(released), dumps(spans)),
             )
         self.execute("DELETE FROM engine WHERE replica_id = ?", (dead,))
+        self.execute("DELETE FROM engine_traces WHERE replica_id = ?", (dead,))
         self.execute("UPDATE outbox SET replica_id = ? WHERE replica_id = ?", (me, dead))
         self.execute("DELETE FROM replicas WHERE replica_id = ?", (dead,))

@@ -40,13 +40,14 @@ from processor.state.base import EngineStateLike, StateStore, TimerEntry
 from processor.state.bufferrows import BufferSegments, BufferWrite, live_entries
 from processor.state.memory import MemoryStore
 from processor.state.session import GroupKey, RuleSchema, SessionState, group_key_from_plain, group_key_to_plain
-from processor.state.sessionrows import SessionRows, Stored, dumps, session_plain, session_rows
+from processor.state.sessionrows import SessionWrite, Stored, dumps, session_plain, session_write
+from processor.state.tracerows import StoredTraces, TraceWrite
 
 log = logging.getLogger(__name__)
 
-# 2: sessions are a head row, one row per rule group and chunked delivery-key digests
-# (processor.state.sessionrows), the reordering buffer is in segments (processor.state.bufferrows);
-# 1 kept each session whole in one row and each buffered span in a row, and is migrated at open.
+# 2: a session is a base and deltas (processor.state.sessionrows), the reordering buffer is in
+# segments (processor.state.bufferrows); 1 kept each session whole (a base without deltas, as
+# it is) and each buffered span in a row, and is migrated at open.
 SCHEMA_VERSION: Final = 2
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
@@ -59,16 +60,16 @@ TABLES: Final = (
     "CREATE TABLE IF NOT EXISTS buffer_segments ("
     " replica_id TEXT NOT NULL, segment {INT} NOT NULL, first_arrival {INT} NOT NULL, last_arrival {INT} NOT NULL,"
     " arrivals {BLOB} NOT NULL, released {BLOB} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (replica_id, segment))",
-    # A session as rows (processor.state.sessionrows): its head, its groups, its digests; a
-    # commit writes what changed of a session, not all it holds.
+    # A session as a base row and delta rows (processor.state.sessionrows): a commit writes
+    # what changed of a session, not all it holds.
     "CREATE TABLE IF NOT EXISTS sessions ("
     " session_id TEXT PRIMARY KEY, touched {INT} NOT NULL, body {BLOB} NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS session_groups ("
-    " session_id TEXT NOT NULL, rule_id TEXT NOT NULL, grp TEXT NOT NULL, ord {INT} NOT NULL,"
-    " body {BLOB} NOT NULL, PRIMARY KEY (session_id, rule_id, grp))",
-    "CREATE TABLE IF NOT EXISTS session_seen ("
-    " session_id TEXT NOT NULL, chunk {INT} NOT NULL, start_index {INT} NOT NULL, body {BLOB} NOT NULL,"
-    " PRIMARY KEY (session_id, chunk))",
+    # What recent traces named (the engine's identity state), a row per trace (processor.state.tracerows).
+    "CREATE TABLE IF NOT EXISTS engine_traces ("
+    " replica_id TEXT NOT NULL, trace_id TEXT NOT NULL, ord {INT} NOT NULL, body {BLOB} NOT NULL,"
+    " PRIMARY KEY (replica_id, trace_id))",
+    "CREATE TABLE IF NOT EXISTS session_deltas ("
+    " session_id TEXT NOT NULL, touched {INT} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (session_id, touched))",
     "CREATE TABLE IF NOT EXISTS timers ("
     " session_id TEXT NOT NULL, rule_id TEXT NOT NULL, grp TEXT NOT NULL, due_ns {INT} NOT NULL,"
     " PRIMARY KEY (session_id, rule_id, grp))",
@@ -94,12 +95,14 @@ UnitOp = Callable[[], None]
 
 @dataclass(slots=True)
 class RowsWritten:
-    """Rows of session state one transaction wrote or deleted (what a commit cost)."""
+    """Session rows one transaction wrote (what a commit cost)."""
 
-    heads: int = 0
+    bases: int = 0
+    deltas: int = 0
+    # Groups in the rows written: every group of a base, the changed ones of a delta.
     groups: int = 0
-    seen_chunks: int = 0
-    deleted: int = 0
+    bytes: int = 0
+    deleted_sessions: int = 0
 
 
 def group_text(group: GroupKey) -> str:
@@ -119,6 +122,8 @@ class SqlStateStore(StateStore):
         self._pending_engine: EngineStateLike | None = None
         # Which buffered spans the database holds, in which segment.
         self._buffer = BufferSegments()
+        self._traces = StoredTraces()
+        self._storing_traces: TraceWrite | None = None
         self._deferring = False
         self._unit_ops: list[UnitOp] = []
         self._unit_after: list[UnitOp] = []
@@ -180,23 +185,12 @@ class SqlStateStore(StateStore):
                              "empty state")
 
     def _migrate_whole_sessions(self, where: str) -> None:
-        """Version 1 kept each session whole in its ``sessions`` row: split them into rows (same transaction)."""
-        rows = self.execute("SELECT session_id, body FROM sessions").fetchall()
-        migrated = 0
-        for session_id, body in rows:
-            try:
-                plain = orjson.loads(bytes(body))
-                split = session_rows(plain, None)
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue  # left as it is: loading skips it and says so, as it did before
-            self.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (split.head, str(session_id)))
-            self._insert_rows([split])
-            migrated += 1
+        """Version 1: a session whole in its ``sessions`` row is a base without deltas, as it is;
+        its reordering buffer's rows become segments (same transaction)."""
         if self.has_table("engine_buffer"):
             self._migrate_buffer_rows()
         self.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
-        log.warning("the state database %s was migrated from schema version 1 to %d (%d sessions)",
-                    where, SCHEMA_VERSION, migrated)
+        log.warning("the state database %s was migrated from schema version 1 to %d", where, SCHEMA_VERSION)
 
     def _migrate_buffer_rows(self) -> None:
         """Version 1 kept a row per buffered span: each replica's become one segment."""
@@ -278,13 +272,18 @@ class SqlStateStore(StateStore):
             self._storing = {}
             if buffered is not None:
                 self._buffer.apply(buffered)
+            if self._storing_traces is not None:
+                self._traces.apply(self._storing_traces)
+                self._storing_traces = None
         except StateError:
             self._storing = {}
+            self._storing_traces = None
             self.rollback()
             self.stale = True
             raise
         except Exception as exc:
             self._storing = {}
+            self._storing_traces = None
             self.rollback()
             translated = self.translate(exc)
             if translated is None:
@@ -298,34 +297,18 @@ class SqlStateStore(StateStore):
         written = RowsWritten()
         deleted = [(sid,) for sid, body in sessions.items() if body is None]
         if deleted:
-            for table in ("sessions", "session_groups", "session_seen", "timers"):
+            for table in ("sessions", "session_deltas", "timers"):
                 self.executemany(f"DELETE FROM {table} WHERE session_id = ?", deleted)  # noqa: S608 - constants
-            written.deleted += len(deleted)
+            written.deleted_sessions = len(deleted)
         schema = self._schema
         stored = self._stored
         changed = [
-            session_rows(live.to_plain(schema), stored.get(sid))
+            session_write(live.to_plain(schema), stored.get(sid))
             for sid, live in sessions.items() if live is not None and schema is not None
         ]
-        if changed:
-            self.executemany(
-                "INSERT INTO sessions (session_id, touched, body) VALUES (?, ?, ?)"
-                " ON CONFLICT (session_id) DO UPDATE SET touched = excluded.touched, body = excluded.body",
-                [(r.session_id, next(self._touched), r.head) for r in changed],
-            )
-            written.heads += len(changed)
-            gone = [(r.session_id, rule, grp) for r in changed for rule, grp in r.gone_groups]
-            if gone:
-                self.executemany("DELETE FROM session_groups WHERE session_id = ? AND rule_id = ? AND grp = ?", gone)
-                written.deleted += len(gone)
-            below = [(r.session_id, r.seen_below) for r in changed if r.seen_below is not None]
-            if below:
-                self.executemany("DELETE FROM session_seen WHERE session_id = ? AND chunk < ?", below)
-            groups, chunks = self._insert_rows(changed)
-            written.groups += groups
-            written.seen_chunks += chunks
+        self._write_sessions(changed, written)
         self._storing = {sid: None for sid, body in sessions.items() if body is None}
-        self._storing.update((r.session_id, r.stored) for r in changed)
+        self._storing.update((w.session_id, w.stored) for w in changed)
         self.rows_written = written
         removed = [(sid, rule, group_text(group)) for (sid, rule, group), due in timers.items() if due is None]
         if removed:
@@ -339,29 +322,23 @@ class SqlStateStore(StateStore):
             )
         return self._write_engine(engine) if engine is not None else None
 
-    def _insert_rows(self, changed: Sequence[SessionRows]) -> tuple[int, int]:
-        """Write the group and digest rows of changed sessions; the numbers of each written."""
-        rewrite = [(r.session_id,) for r in changed if r.rewrite]
-        if rewrite:
-            # Sessions this store did not know: whatever rows they may have go first.
-            self.executemany("DELETE FROM session_groups WHERE session_id = ?", rewrite)
-            self.executemany("DELETE FROM session_seen WHERE session_id = ?", rewrite)
-        groups = [(r.session_id, rule, grp, ord_, body) for r in changed for rule, grp, ord_, body in r.put_groups]
-        if groups:
+    def _write_sessions(self, changed: Sequence[SessionWrite], written: RowsWritten) -> None:
+        """One row per changed session: a delta, or a new base that replaces its deltas."""
+        bases = [(w.session_id, next(self._touched), w.body) for w in changed if w.base]
+        if bases:
+            self.executemany("DELETE FROM session_deltas WHERE session_id = ?", [(b[0],) for b in bases])
             self.executemany(
-                "INSERT INTO session_groups (session_id, rule_id, grp, ord, body) VALUES (?, ?, ?, ?, ?)"
-                " ON CONFLICT (session_id, rule_id, grp) DO UPDATE SET ord = excluded.ord, body = excluded.body",
-                groups,
+                "INSERT INTO sessions (session_id, touched, body) VALUES (?, ?, ?)"
+                " ON CONFLICT (session_id) DO UPDATE SET touched = excluded.touched, body = excluded.body",
+                bases,
             )
-        chunks = [(r.session_id, chunk, first, body) for r in changed for chunk, first, body in r.put_seen]
-        if chunks:
-            self.executemany(
-                "INSERT INTO session_seen (session_id, chunk, start_index, body) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT (session_id, chunk) DO UPDATE SET start_index = excluded.start_index,"
-                " body = excluded.body",
-                chunks,
-            )
-        return len(groups), len(chunks)
+        deltas = [(w.session_id, next(self._touched), w.body) for w in changed if not w.base]
+        if deltas:
+            self.executemany("INSERT INTO session_deltas (session_id, touched, body) VALUES (?, ?, ?)", deltas)
+        written.bases += len(bases)
+        written.deltas += len(deltas)
+        written.groups += sum(w.groups for w in changed)
+        written.bytes += sum(len(w.body) for w in changed)
 
     def _write_engine(self, engine: EngineStateLike) -> BufferWrite | None:
         from processor.evaluate.engine import EngineState
@@ -377,6 +354,7 @@ class SqlStateStore(StateStore):
                 self.executemany("UPDATE buffer_segments SET released = ? WHERE replica_id = ? AND segment = ?",
                                  [(bitmap, self.replica_id, segment) for segment, bitmap in buffered.updates])
             self.insert_segment(self.replica_id, buffered)
+            self._write_traces(head)
             body = dumps(head)
         else:
             body = dumps(engine.to_plain())
@@ -386,6 +364,26 @@ class SqlStateStore(StateStore):
             (self.replica_id, body),
         )
         return buffered
+
+    def _write_traces(self, head: dict[str, Any]) -> None:
+        """Take the identity state's traces out of the engine's head and write those that changed."""
+        identity = head.get("identity")
+        if not isinstance(identity, dict) or not identity.get("traces"):
+            traces: list[Any] = []
+        else:
+            traces = identity["traces"]
+            head["identity"] = {**identity, "traces": []}
+        write = self._traces.plan(traces)
+        if write.gone:
+            self.executemany("DELETE FROM engine_traces WHERE replica_id = ? AND trace_id = ?",
+                             [(self.replica_id, trace_id) for trace_id in write.gone])
+        if write.puts:
+            self.executemany(
+                "INSERT INTO engine_traces (replica_id, trace_id, ord, body) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (replica_id, trace_id) DO UPDATE SET ord = excluded.ord, body = excluded.body",
+                [(self.replica_id, *put) for put in write.puts],
+            )
+        self._storing_traces = write
 
     @contextlib.contextmanager
     def unit(self) -> Iterator[None]:
@@ -446,8 +444,11 @@ class SqlStateStore(StateStore):
         self._buffer = BufferSegments()
         self._buffer.load(self.query("SELECT segment, arrivals, released FROM buffer_segments WHERE replica_id = ?",
                                      (self.replica_id,)))
-        top = self.query("SELECT max(touched) FROM sessions")
-        start = int(top[0][0]) + 1 if top and top[0][0] is not None else 1
+        self._traces = StoredTraces()
+        self._traces.load(self.query("SELECT trace_id, ord FROM engine_traces WHERE replica_id = ?",
+                                     (self.replica_id,)))
+        top = self.query("SELECT max(touched) FROM sessions UNION ALL SELECT max(touched) FROM session_deltas")
+        start = max((int(row[0]) for row in top if row[0] is not None), default=0) + 1
         self._touched = itertools.count(start)
 
     # -- StateStore ------------------------------------------------------------------------
@@ -469,6 +470,10 @@ class SqlStateStore(StateStore):
 
             loaded = EngineState().to_plain()
         loaded["buffer"] = [*loaded.get("buffer", ()), *live_entries(buffered)]
+        traces = self.query("SELECT trace_id, body FROM engine_traces WHERE replica_id = ? ORDER BY ord", (replica_id,))
+        if traces and isinstance(loaded.get("identity"), dict):
+            identity = loaded["identity"]
+            identity["traces"] = [*identity.get("traces", ()), *([str(t), orjson.loads(bytes(b))] for t, b in traces)]
         return loaded
 
     def save_engine(self, state: EngineStateLike) -> None:
@@ -477,25 +482,23 @@ class SqlStateStore(StateStore):
     def load_sessions(self, schema: RuleSchema) -> Iterator[SessionState]:
         clause, params = self.owned_sessions_clause()
         # The clause is a constant of the store class; values are parameters.
-        heads = self.query(f"SELECT session_id, body FROM sessions WHERE {clause} ORDER BY touched", params)  # noqa: S608
-        groups: dict[str, list[tuple[str, str, int, bytes]]] = {}
-        for sid, rule_id, grp, ord_, body in self.query(
-            f"SELECT session_id, rule_id, grp, ord, body FROM session_groups WHERE {clause}"  # noqa: S608
-            " ORDER BY session_id, ord", params,
+        bases = self.query(f"SELECT session_id, touched, body FROM sessions WHERE {clause}", params)  # noqa: S608
+        deltas: dict[str, list[bytes]] = {}
+        touched: dict[str, int] = {}
+        for sid, when, body in self.query(
+            f"SELECT session_id, touched, body FROM session_deltas WHERE {clause}"  # noqa: S608
+            " ORDER BY session_id, touched", params,
         ):
-            groups.setdefault(str(sid), []).append((str(rule_id), str(grp), int(ord_), bytes(body)))
-        chunks: dict[str, list[tuple[int, int, bytes]]] = {}
-        for sid, chunk, first, body in self.query(
-            f"SELECT session_id, chunk, start_index, body FROM session_seen WHERE {clause}"  # noqa: S608
-            " ORDER BY session_id, chunk", params,
-        ):
-            chunks.setdefault(str(sid), []).append((int(chunk), int(first), bytes(body)))
+            deltas.setdefault(str(sid), []).append(bytes(body))
+            touched[str(sid)] = int(when)
+        # Least recently written first: the engine rebuilds its LRU in this order.
+        order = sorted(bases, key=lambda row: touched.get(str(row[0]), int(row[1])))
         self._stored = {}
         skipped = 0
-        for sid, head in heads:
+        for sid, _, base in order:
             session_id = str(sid)
             try:
-                plain, stored = session_plain(bytes(head), groups.pop(session_id, ()), chunks.pop(session_id, ()))
+                plain, stored = session_plain(bytes(base), deltas.pop(session_id, ()))
                 session = SessionState.from_plain(schema, plain)
             except (ValueError, KeyError, TypeError, IndexError):
                 # One unreadable session must not keep every other from starting (ids are not logged).

@@ -40,7 +40,7 @@ SCHEMA = RuleSchema(
     first_names=((), ()),
 )
 GROUP_LIMIT = 40
-SEEN_LIMIT = 150
+SEEN_LIMIT = 500
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -86,8 +86,9 @@ def _deltas(store: SqlStateStore) -> list[dict[str, Any]]:
 def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Callable[[], SqlStateStore]) -> None:
     store = open_store()
     session = _session_with_groups(30)
-    for d in range(3 * 64):
-        session.check_seen(d + 1, 10_000)
+    # Past the size below which a session is written whole at every commit.
+    for d in range(600):
+        session.check_seen(2**62 + d, 10_000)
     store.save_session(session, SCHEMA)
     store.commit()
     assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (1, 0, 30)
@@ -127,11 +128,33 @@ def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Ca
     assert _plain_of(open_store()) == {"s1": loaded.to_plain(SCHEMA)}
 
 
+def test_a_small_session_is_written_whole_until_it_grows(open_store: Callable[[], SqlStateStore]) -> None:
+    store = open_store()
+    session = _session_with_groups(3)
+    digest = 2**62  # digests are 64-bit: about 19 digits each in JSON
+    kinds: list[tuple[int, int]] = []
+    while not kinds or kinds[-1] != (0, 1):
+        for _ in range(50):
+            digest += 1
+            session.check_seen(digest, 10_000)
+        store.save_session(session, SCHEMA)
+        store.commit()
+        kinds.append((store.rows_written.bases, store.rows_written.deltas))
+        assert len(kinds) < 40
+    # Whole while under WHOLE_BELOW, once more whole with its groups known, then deltas.
+    assert kinds[:-1] == [(1, 0)] * (len(kinds) - 1) and len(kinds) > 2
+    assert store.rows_written.bytes < 2000
+    assert _plain_of(open_store()) == {"s1": session.to_plain(SCHEMA)}
+
+
 def test_deltas_are_folded_into_a_new_base_once_they_outweigh_it(open_store: Callable[[], SqlStateStore]) -> None:
     store = open_store()
     session = _session_with_groups(3)
+    for d in range(600):
+        session.check_seen(2**62 + d, 10_000)
     store.save_session(session, SCHEMA)
     store.commit()
+    assert store.rows_written.bases == 1
     commits = 0
     while True:
         commits += 1
@@ -140,6 +163,7 @@ def test_deltas_are_folded_into_a_new_base_once_they_outweigh_it(open_store: Cal
         store.commit()
         if store.rows_written.bases:
             break
+        assert store.rows_written.deltas == 1
         assert commits <= MAX_DELTAS
     # The deltas were replaced by the base; the session reads back the same.
     assert store.query("SELECT count(*) FROM session_deltas")[0][0] == 0
@@ -176,8 +200,9 @@ def test_restarts_restore_exactly_what_was_committed(open_store: Callable[[], Sq
     store = open_store()
     live = {f"s{i}": SessionState(f"s{i}") for i in range(6)}
     saved: set[str] = set()
-    digest = [0]
+    digest = [2**62]
     restarts = 0
+    written = [0, 0]  # bases, deltas
     for step in range(150):
         for _ in range(rng.randrange(1, 8)):
             sid = rng.choice(sorted(live))
@@ -190,6 +215,8 @@ def test_restarts_restore_exactly_what_was_committed(open_store: Callable[[], Sq
             saved.discard(gone)
             live[gone] = SessionState(gone)  # the same id may come back later, as a new session
         store.commit()
+        written[0] += store.rows_written.bases
+        written[1] += store.rows_written.deltas
         if step % 15 == 14:
             store = open_store()
             restarts += 1
@@ -200,6 +227,7 @@ def test_restarts_restore_exactly_what_was_committed(open_store: Callable[[], Sq
             # The process goes on with what it loaded, as serve does after a restart.
             live = {sid: loaded.get(sid, SessionState(sid)) for sid in live}
     assert restarts == 10
+    assert written[0] > 20 and written[1] > 100, "both whole and delta writes must be exercised"
 
 
 def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) -> None:

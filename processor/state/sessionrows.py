@@ -44,6 +44,9 @@ import orjson
 MAX_DELTAS: Final = 32
 # Deltas may together reach this many bytes before a base is rewritten, however small the base.
 MIN_DELTA_BUDGET: Final = 4096
+# A session smaller than this is written whole (one serialization, no per-group bookkeeping):
+# young sessions change most of what they hold at every commit, and a delta would not be smaller.
+WHOLE_BELOW: Final = 8192
 
 _GroupId = tuple[str, str]
 _NOT_HEAD: Final = frozenset({"rules", "seen"})
@@ -66,6 +69,8 @@ class Stored:
     base_bytes: int = 0
     delta_bytes: int = 0
     deltas: int = 0
+    # Written whole while small: ``groups`` is empty and nothing is known of them.
+    whole: bool = False
 
 
 @dataclass(slots=True)
@@ -82,6 +87,17 @@ class SessionWrite:
 
 def session_write(plain: Mapping[str, Any], before: Stored | None) -> SessionWrite:
     """The row to write for a session whose plain form is ``plain``, given what is stored (``before``)."""
+    if before is None or (before.whole and before.base_bytes < WHOLE_BELOW):
+        body = dumps(plain)
+        if len(body) < WHOLE_BELOW:
+            digests = plain.get("seen") or ()
+            stored = Stored(base_bytes=len(body), whole=True, seen_len=len(digests),
+                            seen_last=int(digests[-1]) if digests else None)
+            groups = sum(len(g) for g in plain.get("rules", {}).values())
+            return SessionWrite(str(plain["session_id"]), True, body, groups, stored)
+        before = None  # grown past it: written again below as a base whose groups are known
+    elif before.whole:
+        before = None
     stored = Stored()
     old = before.groups if before is not None else {}
     next_ord = before.next_ord if before is not None else 0

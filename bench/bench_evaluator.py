@@ -12,6 +12,9 @@ CPU-second of the process (the worker thread is the only busy one) from the firs
 until every request was evaluated; wall time is reported beside it. ``--rate`` paces the
 requests as a steady sender would: the worker then commits as it does in serve at that
 rate (every 50 ms), so the CPU per span is what serve's evaluator spends at that rate.
+``written_bytes_per_span`` is what the process handed to ``write()`` per span (database,
+write-ahead log, violations file), from ``/proc/self/io``: unlike CPU time, the machine's
+other work does not change it.
 
 ``--profile OUT`` runs the worker thread under cProfile and writes its statistics to
 ``OUT.<state>.pstats`` (and prints the 25 most expensive functions by own time).
@@ -70,6 +73,7 @@ def measure(templates: list[Template], state: str, profile: Path | None = None,
         batches = [Batch(request=parse_protobuf(b), span_count=t.spans, protocol="grpc", origin="bench", body=b)
                    for b, t in zip(bodies, templates, strict=True)]
         spans = sum(t.spans for t in templates)
+        written0 = _bytes_written()
         cpu0, wall0 = time.process_time(), time.monotonic()
         for index, batch in enumerate(batches):
             if rate is not None:
@@ -87,6 +91,7 @@ def measure(templates: list[Template], state: str, profile: Path | None = None,
         while worker.stats.evaluated < len(batches) and worker.journaled and time.monotonic() < deadline:
             time.sleep(0.002)
         cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        written = _bytes_written() - written0
         queue.close()
         worker.drain(60)
         pipeline.shutdown(10)
@@ -97,7 +102,16 @@ def measure(templates: list[Template], state: str, profile: Path | None = None,
             profiler.dump_stats(out)
             pstats.Stats(str(out)).sort_stats("tottime").print_stats(25)
         return {"state": state, "rate": rate, "requests": len(batches), "spans": spans, "cpu_s": round(cpu, 3),
-                "wall_s": round(wall, 3), "spans_per_cpu_s": round(spans / cpu), "spans_per_s": round(spans / wall)}
+                "wall_s": round(wall, 3), "spans_per_cpu_s": round(spans / cpu), "spans_per_s": round(spans / wall),
+                "written_bytes_per_span": round(written / spans)}
+
+
+def _bytes_written() -> int:
+    """Bytes this process handed to write() so far (the database, its WAL and the JSONL file)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,28 +94,37 @@ def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Ca
     assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (1, 0, 30)
     base_bytes = store.rows_written.bytes
 
-    # One group changes in place, one digest arrives: a delta with just those.
-    count = session.get_group(0, "g7")
-    count.times.append(8)
-    count.count = 2
+    # A group of the other rule appears, one digest arrives: a delta with just those.
+    session.put_group(1, "k0", "first value", SCHEMA.width, GROUP_LIMIT)
     session.check_seen(10_001, 10_000)
     session.activity_ns = 2
     store.save_session(session, SCHEMA)
     store.commit()
     assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (0, 1, 1)
-    assert store.rows_written.bytes * 10 < base_bytes
+    assert store.rows_written.bytes * 20 < base_bytes
     delta = _deltas(store)[-1]
-    assert [(r, k) for r, k, _ in delta["set"]] == [("R_COUNT", "g7")] and delta["move"] == []
+    assert (delta["rules"], delta["drop"]) == ({"R_CHANGE": [["k0", {"value": "first value"}]]}, [])
     assert (delta["seen"], delta["forget"], delta["head"]["activity_ns"]) == ([10_001], 0, 2)
 
-    # A group that becomes the newest again (same state) moves; a dropped one is said so.
-    session.put_group(0, "g3", session.get_group(0, "g3"), SCHEMA.width, GROUP_LIMIT)
-    session.drop_group(0, "g0")
+    # A count changes in place: its rule's groups are written, in their order; nothing else.
+    count = session.get_group(0, "g7")
+    count.times.append(8)
+    count.count = 2
     store.save_session(session, SCHEMA)
     store.commit()
     delta = _deltas(store)[-1]
-    assert ([(r, k) for r, k, _ in delta["move"]], delta["drop"], delta["set"]) == ([("R_COUNT", "g3")],
-                                                                                  [["R_COUNT", "g0"]], [])
+    assert list(delta["rules"]) == ["R_COUNT"] and delta["seen"] == []
+    assert [key for key, _ in delta["rules"]["R_COUNT"]] == [f"g{g}" for g in range(30)]
+
+    # A group that becomes the newest again (same state) is a change of order; a rule left
+    # without groups is said so.
+    session.put_group(0, "g3", session.get_group(0, "g3"), SCHEMA.width, GROUP_LIMIT)
+    session.drop_group(1, "k0")
+    store.save_session(session, SCHEMA)
+    store.commit()
+    delta = _deltas(store)[-1]
+    assert [key for key, _ in delta["rules"]["R_COUNT"]][-2:] == ["g29", "g3"]
+    assert delta["drop"] == ["R_CHANGE"]
 
     restarted = open_store()
     assert _plain_of(restarted) == {"s1": session.to_plain(SCHEMA)}

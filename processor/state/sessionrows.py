@@ -85,11 +85,14 @@ class SessionWrite:
     body: bytes
     groups: int  # groups written (in the base, or in the rules a delta rewrites)
     stored: Stored
+    # A base must delete deltas: the session has some, or the store does not know it.
+    may_have_deltas: bool = True
 
 
 def session_write(plain: Mapping[str, Any], before: Stored | None) -> SessionWrite:
     """The row to write for a session whose plain form is ``plain``, given what is stored (``before``)."""
     session_id = str(plain["session_id"])
+    may_have_deltas = before is None or before.deltas > 0
     digests = plain.get("seen") or ()
     rules = plain.get("rules", {})
     if before is None or before.whole:
@@ -97,7 +100,7 @@ def session_write(plain: Mapping[str, Any], before: Stored | None) -> SessionWri
         if len(body) < WHOLE_BELOW:
             stored = Stored(base_bytes=len(body), whole=True, seen_len=len(digests),
                             seen_last=int(digests[-1]) if digests else None)
-            return SessionWrite(session_id, True, body, sum(len(g) for g in rules.values()), stored)
+            return SessionWrite(session_id, True, body, sum(len(g) for g in rules.values()), stored, may_have_deltas)
         before = None  # grown past it: written again below as a base whose rules are known
     stored = Stored(seen_len=len(digests), seen_last=int(digests[-1]) if digests else None)
     fragments: dict[str, orjson.Fragment] = {}
@@ -129,7 +132,7 @@ def session_write(plain: Mapping[str, Any], before: Stored | None) -> SessionWri
     # A new base: the session as a whole, in the form it has always been stored in.
     body = dumps({**head, "rules": fragments, "seen": digests})
     stored.base_bytes = len(body)
-    return SessionWrite(session_id, True, body, sum(len(g) for g in rules.values()), stored)
+    return SessionWrite(session_id, True, body, sum(len(g) for g in rules.values()), stored, may_have_deltas)
 
 
 def _digests_added(digests: list[int], before: Stored | None) -> tuple[list[int], int] | None:

@@ -46,8 +46,9 @@ from processor.state.tracerows import StoredTraces, TraceWrite
 log = logging.getLogger(__name__)
 
 # 2: a session is a base and deltas (processor.state.sessionrows), the reordering buffer is in
-# segments (processor.state.bufferrows); 1 kept each session whole (a base without deltas, as
-# it is) and each buffered span in a row, and is migrated at open.
+# segments (processor.state.bufferrows), recent traces are rows (processor.state.tracerows);
+# 1 kept each session whole (a base without deltas, as it is), each buffered span in a row and
+# the traces in the engine row (read as they are), and is migrated at open.
 SCHEMA_VERSION: Final = 2
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
@@ -325,8 +326,10 @@ class SqlStateStore(StateStore):
     def _write_sessions(self, changed: Sequence[SessionWrite], written: RowsWritten) -> None:
         """One row per changed session: a delta, or a new base that replaces its deltas."""
         bases = [(w.session_id, next(self._touched), w.body) for w in changed if w.base]
+        folded = [(w.session_id,) for w in changed if w.base and w.may_have_deltas]
+        if folded:
+            self.executemany("DELETE FROM session_deltas WHERE session_id = ?", folded)
         if bases:
-            self.executemany("DELETE FROM session_deltas WHERE session_id = ?", [(b[0],) for b in bases])
             self.executemany(
                 "INSERT INTO sessions (session_id, touched, body) VALUES (?, ?, ?)"
                 " ON CONFLICT (session_id) DO UPDATE SET touched = excluded.touched, body = excluded.body",

@@ -30,6 +30,7 @@ from typing import Any, Final
 import orjson
 
 from bench.live import _metric, free_port
+from processor.state.bufferrows import live_entries
 
 _ROOT: Final = Path(__file__).resolve().parents[1]
 
@@ -94,7 +95,7 @@ def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
             with sqlite3.connect(db) as connection:
                 journal, journal_bytes = connection.execute(
                     "SELECT count(*), coalesce(sum(size), 0) FROM journal").fetchone()
-                window = connection.execute("SELECT count(*) FROM engine_buffer").fetchone()[0]
+                window = len(live_entries(connection.execute("SELECT body, released FROM buffer_segments")))
                 sessions = connection.execute("SELECT count(*) FROM sessions").fetchone()[0]
             db_bytes = sum(p.stat().st_size for p in work.glob("state.db*"))
             started = time.monotonic()

@@ -47,7 +47,8 @@ from typing import Any, Final
 import orjson
 
 from processor.errors import StateError
-from processor.state.sqlstore import SqlStateStore, dumps
+from processor.state.sessionrows import dumps
+from processor.state.sqlstore import SqlStateStore
 from processor.telemetry import Telemetry
 from processor.violations import Violation
 

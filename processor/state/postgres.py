@@ -40,8 +40,10 @@ import orjson
 import psycopg
 
 from processor.errors import StateError
+from processor.state.bufferrows import pack_arrivals, unpack_arrivals
 from processor.state.faults import SessionOwnedElsewhere, postgres_error
-from processor.state.sqlstore import TABLES, SqlStateStore, dumps
+from processor.state.sessionrows import dumps
+from processor.state.sqlstore import TABLES, SqlStateStore
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,10 @@ class PostgresStore(SqlStateStore):
         except psycopg.Error:
             log.warning("rolling back on the PostgreSQL server %s failed; reconnecting", self.where)
             self.close()
+
+    def has_table(self, name: str) -> bool:
+        found = self.execute("SELECT to_regclass(?) IS NOT NULL", (name,)).fetchone()
+        return bool(found and found[0])
 
     def translate(self, exc: Exception) -> StateError | None:
         if isinstance(exc, psycopg.Error):
@@ -296,22 +302,29 @@ class PostgresStore(SqlStateStore):
         # Its reordering buffer held acknowledged spans, already marked seen in their sessions: they
         # join this replica's buffer as they are (re-submitting them would take them for redeliveries).
         # Their arrival numbers are moved below this replica's own, keeping them unique.
-        low = self.execute("SELECT coalesce(min(arrival), 0) FROM engine_buffer WHERE replica_id = ?",
+        low = self.execute("SELECT coalesce(min(first_arrival), 0) FROM buffer_segments WHERE replica_id = ?",
                            (me,)).fetchone()
-        high = self.execute("SELECT coalesce(max(arrival), 0) FROM engine_buffer WHERE replica_id = ?",
+        high = self.execute("SELECT coalesce(max(last_arrival), 0) FROM buffer_segments WHERE replica_id = ?",
                             (dead,)).fetchone()
         offset = min(int(low[0]), 0) - int(high[0]) - 1
+        top = self.execute("SELECT coalesce(max(segment), 0) FROM buffer_segments WHERE replica_id = ?",
+                           (me,)).fetchone()
         moved = self.execute(
-            "SELECT arrival, body FROM engine_buffer WHERE replica_id = ?", (dead,)
+            "SELECT segment, arrivals, released, body FROM buffer_segments WHERE replica_id = ? ORDER BY segment",
+            (dead,),
         ).fetchall()
-        self.execute("DELETE FROM engine_buffer WHERE replica_id = ?", (dead,))
-        if moved:
-            rows = []
-            for arrival, body in moved:
-                plain = orjson.loads(bytes(body))
-                plain["arrival"] = int(arrival) + offset
-                rows.append((me, int(arrival) + offset, dumps(plain)))
-            self.executemany("INSERT INTO engine_buffer (replica_id, arrival, body) VALUES (?, ?, ?)", rows)
+        self.execute("DELETE FROM buffer_segments WHERE replica_id = ?", (dead,))
+        for number, (_, packed, released, body) in enumerate(moved, start=int(top[0]) + 1):
+            arrivals = [a + offset for a in unpack_arrivals(bytes(packed))]
+            spans = orjson.loads(bytes(body))
+            for plain in spans:
+                plain["arrival"] = int(plain["arrival"]) + offset
+            self.execute(
+                "INSERT INTO buffer_segments (replica_id, segment, first_arrival, last_arrival, arrivals, released,"
+                " body) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (me, number, arrivals[0], arrivals[-1], pack_arrivals(arrivals), bytes(released), dumps(spans)),
+            )
         self.execute("DELETE FROM engine WHERE replica_id = ?", (dead,))
+        self.execute("DELETE FROM engine_traces WHERE replica_id = ?", (dead,))
         self.execute("UPDATE outbox SET replica_id = ? WHERE replica_id = ?", (me, dead))
         self.execute("DELETE FROM replicas WHERE replica_id = ?", (dead,))

@@ -135,6 +135,10 @@ class SqliteStore(SqlStateStore):
             except sqlite3.Error:
                 log.warning("rolling back the state database %s failed", self.path)
 
+    def has_table(self, name: str) -> bool:
+        found = self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,))
+        return found.fetchone() is not None
+
     def translate(self, exc: Exception) -> StateError | None:
         if isinstance(exc, sqlite3.Error):
             return sqlite_error(exc, self.path, self.busy_timeout_s)

@@ -30,29 +30,47 @@ import itertools
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
 
 from processor.errors import StateError
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
+from processor.state.bufferrows import BufferSegments, BufferWrite, live_entries
 from processor.state.memory import MemoryStore
 from processor.state.session import GroupKey, RuleSchema, SessionState, group_key_from_plain, group_key_to_plain
+from processor.state.sessionrows import SessionWrite, Stored, dumps, session_plain, session_write
+from processor.state.tracerows import StoredTraces, TraceWrite
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION: Final = 1
+# 2: a session is a base and deltas (processor.state.sessionrows), the reordering buffer is in
+# segments (processor.state.bufferrows), recent traces are rows (processor.state.tracerows);
+# 1 kept each session whole (a base without deltas, as it is), each buffered span in a row and
+# the traces in the engine row (read as they are), and is migrated at open.
+SCHEMA_VERSION: Final = 2
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
 TABLES: Final = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS engine (replica_id TEXT PRIMARY KEY, body {BLOB} NOT NULL)",
-    # The reordering buffer, one row per span: a commit writes the spans that came and deletes
-    # those released, instead of the whole buffer (seconds of traffic) every time.
-    "CREATE TABLE IF NOT EXISTS engine_buffer ("
-    " replica_id TEXT NOT NULL, arrival {INT} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (replica_id, arrival))",
+    # The reordering buffer, one segment per commit that buffered spans (processor.state.bufferrows):
+    # a commit writes the spans that came in one row and marks those released in a bitmap,
+    # instead of a row per span in and out.
+    "CREATE TABLE IF NOT EXISTS buffer_segments ("
+    " replica_id TEXT NOT NULL, segment {INT} NOT NULL, first_arrival {INT} NOT NULL, last_arrival {INT} NOT NULL,"
+    " arrivals {BLOB} NOT NULL, released {BLOB} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (replica_id, segment))",
+    # A session as a base row and delta rows (processor.state.sessionrows): a commit writes
+    # what changed of a session, not all it holds.
     "CREATE TABLE IF NOT EXISTS sessions ("
     " session_id TEXT PRIMARY KEY, touched {INT} NOT NULL, body {BLOB} NOT NULL)",
+    # What recent traces named (the engine's identity state), a row per trace (processor.state.tracerows).
+    "CREATE TABLE IF NOT EXISTS engine_traces ("
+    " replica_id TEXT NOT NULL, trace_id TEXT NOT NULL, ord {INT} NOT NULL, body {BLOB} NOT NULL,"
+    " PRIMARY KEY (replica_id, trace_id))",
+    "CREATE TABLE IF NOT EXISTS session_deltas ("
+    " session_id TEXT NOT NULL, touched {INT} NOT NULL, body {BLOB} NOT NULL, PRIMARY KEY (session_id, touched))",
     "CREATE TABLE IF NOT EXISTS timers ("
     " session_id TEXT NOT NULL, rule_id TEXT NOT NULL, grp TEXT NOT NULL, due_ns {INT} NOT NULL,"
     " PRIMARY KEY (session_id, rule_id, grp))",
@@ -76,9 +94,16 @@ _TimerId = tuple[str, str, GroupKey]
 UnitOp = Callable[[], None]
 
 
-def dumps(value: Any) -> bytes:
-    """Plain state as bytes; values a rule kept that JSON cannot hold become their text."""
-    return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS)
+@dataclass(slots=True)
+class RowsWritten:
+    """Session rows one transaction wrote (what a commit cost)."""
+
+    bases: int = 0
+    deltas: int = 0
+    # Groups in the rows written: every group of a base, the changed ones of a delta.
+    groups: int = 0
+    bytes: int = 0
+    deleted_sessions: int = 0
 
 
 def group_text(group: GroupKey) -> str:
@@ -96,12 +121,19 @@ class SqlStateStore(StateStore):
         self._schema: RuleSchema | None = None
         self._pending_timers: dict[_TimerId, int | None] = {}
         self._pending_engine: EngineStateLike | None = None
-        # Arrival numbers of the buffered spans the database holds.
-        self._stored_arrivals: set[int] = set()
+        # Which buffered spans the database holds, in which segment.
+        self._buffer = BufferSegments()
+        self._traces = StoredTraces()
+        self._storing_traces: TraceWrite | None = None
         self._deferring = False
         self._unit_ops: list[UnitOp] = []
         self._unit_after: list[UnitOp] = []
         self._touched = itertools.count(1)
+        # Per session, what the database holds (the basis of writing only what changed), and the
+        # changes to it that the transaction being written makes (applied once it committed).
+        self._stored: dict[str, Stored] = {}
+        self._storing: dict[str, Stored | None] = {}
+        self.rows_written = RowsWritten()
         self.stale = False
 
     # -- the dialect and the connection ---------------------------------------------------
@@ -127,6 +159,10 @@ class SqlStateStore(StateStore):
         """Abandon the transaction; never raises."""
 
     @abstractmethod
+    def has_table(self, name: str) -> bool:
+        """True when the database has a table of that name."""
+
+    @abstractmethod
     def translate(self, exc: Exception) -> StateError | None:
         """The StateError for a driver error, or None when ``exc`` is not one."""
 
@@ -141,9 +177,37 @@ class SqlStateStore(StateStore):
         found = self.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if found is None:
             self.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(found[0]) == 1:
+            self._migrate_whole_sessions(where)
         elif int(found[0]) != SCHEMA_VERSION:
-            raise StateError(f"the state database {where} has schema version {found[0]}; this build "
-                             f"reads version {SCHEMA_VERSION}")
+            raise StateError(f"the state database {where} has schema version {found[0]}, which this build "
+                             f"cannot read (it reads version {SCHEMA_VERSION} and migrates version 1): run the "
+                             "durable-check release that wrote it, or move the database aside to start with "
+                             "empty state")
+
+    def _migrate_whole_sessions(self, where: str) -> None:
+        """Version 1: a session whole in its ``sessions`` row is a base without deltas, as it is;
+        its reordering buffer's rows become segments (same transaction)."""
+        if self.has_table("engine_buffer"):
+            self._migrate_buffer_rows()
+        self.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+        log.warning("the state database %s was migrated from schema version 1 to %d", where, SCHEMA_VERSION)
+
+    def _migrate_buffer_rows(self) -> None:
+        """Version 1 kept a row per buffered span: each replica's become one segment."""
+        by_replica: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        for replica, arrival, body in self.execute("SELECT replica_id, arrival, body FROM engine_buffer").fetchall():
+            by_replica.setdefault(str(replica), []).append((int(arrival), orjson.loads(bytes(body))))
+        for replica, spans in by_replica.items():
+            self.insert_segment(replica, BufferSegments().plan((), spans))
+        self.execute("DROP TABLE engine_buffer")
+
+    def insert_segment(self, replica_id: str, write: BufferWrite) -> None:
+        if write.insert is not None:
+            self.execute(
+                "INSERT INTO buffer_segments (replica_id, segment, first_arrival, last_arrival, arrivals, released,"
+                " body) VALUES (?, ?, ?, ?, ?, ?, ?)", (replica_id, *write.insert),
+            )
 
     def owned_sessions_clause(self) -> tuple[str, tuple[Any, ...]]:
         """A WHERE condition on ``session_id`` selecting the sessions this store loads (all, for one replica)."""
@@ -197,19 +261,30 @@ class SqlStateStore(StateStore):
                 [sid for sid, body in sessions.items() if body is not None],
                 [sid for sid, body in sessions.items() if body is None],
             )
-            arrivals = self._write_state(sessions, timers, engine)
+            buffered = self._write_state(sessions, timers, engine)
             for op in ops:
                 op()
             self.commit_transaction()
-            if arrivals is not None:
-                gone, added = arrivals
-                self._stored_arrivals.difference_update(gone)
-                self._stored_arrivals.update(added)
+            for sid, held in self._storing.items():
+                if held is None:
+                    self._stored.pop(sid, None)
+                else:
+                    self._stored[sid] = held
+            self._storing = {}
+            if buffered is not None:
+                self._buffer.apply(buffered)
+            if self._storing_traces is not None:
+                self._traces.apply(self._storing_traces)
+                self._storing_traces = None
         except StateError:
+            self._storing = {}
+            self._storing_traces = None
             self.rollback()
             self.stale = True
             raise
         except Exception as exc:
+            self._storing = {}
+            self._storing_traces = None
             self.rollback()
             translated = self.translate(exc)
             if translated is None:
@@ -218,23 +293,24 @@ class SqlStateStore(StateStore):
             raise translated from None
 
     def _write_state(self, sessions: dict[str, SessionState | None], timers: dict[_TimerId, int | None],
-                     engine: EngineStateLike | None) -> tuple[list[int], list[int]] | None:
-        """Write the pending changes; returns the buffered arrivals deleted and added once committed."""
+                     engine: EngineStateLike | None) -> BufferWrite | None:
+        """Write the pending changes; returns the buffer's writes, for its index once committed."""
+        written = RowsWritten()
         deleted = [(sid,) for sid, body in sessions.items() if body is None]
         if deleted:
-            self.executemany("DELETE FROM sessions WHERE session_id = ?", deleted)
-            self.executemany("DELETE FROM timers WHERE session_id = ?", deleted)
+            for table in ("sessions", "session_deltas", "timers"):
+                self.executemany(f"DELETE FROM {table} WHERE session_id = ?", deleted)  # noqa: S608 - constants
+            written.deleted_sessions = len(deleted)
         schema = self._schema
-        saved = [
-            (sid, next(self._touched), dumps(live.to_plain(schema)))
+        stored = self._stored
+        changed = [
+            session_write(live.to_plain(schema), stored.get(sid))
             for sid, live in sessions.items() if live is not None and schema is not None
         ]
-        if saved:
-            self.executemany(
-                "INSERT INTO sessions (session_id, touched, body) VALUES (?, ?, ?)"
-                " ON CONFLICT (session_id) DO UPDATE SET touched = excluded.touched, body = excluded.body",
-                saved,
-            )
+        self._write_sessions(changed, written)
+        self._storing = {sid: None for sid, body in sessions.items() if body is None}
+        self._storing.update((w.session_id, w.stored) for w in changed)
+        self.rows_written = written
         removed = [(sid, rule, group_text(group)) for (sid, rule, group), due in timers.items() if due is None]
         if removed:
             self.executemany("DELETE FROM timers WHERE session_id = ? AND rule_id = ? AND grp = ?", removed)
@@ -247,19 +323,41 @@ class SqlStateStore(StateStore):
             )
         return self._write_engine(engine) if engine is not None else None
 
-    def _write_engine(self, engine: EngineStateLike) -> tuple[list[int], list[int]] | None:
+    def _write_sessions(self, changed: Sequence[SessionWrite], written: RowsWritten) -> None:
+        """One row per changed session: a delta, or a new base that replaces its deltas."""
+        bases = [(w.session_id, next(self._touched), w.body) for w in changed if w.base]
+        folded = [(w.session_id,) for w in changed if w.base and w.may_have_deltas]
+        if folded:
+            self.executemany("DELETE FROM session_deltas WHERE session_id = ?", folded)
+        if bases:
+            self.executemany(
+                "INSERT INTO sessions (session_id, touched, body) VALUES (?, ?, ?)"
+                " ON CONFLICT (session_id) DO UPDATE SET touched = excluded.touched, body = excluded.body",
+                bases,
+            )
+        deltas = [(w.session_id, next(self._touched), w.body) for w in changed if not w.base]
+        if deltas:
+            self.executemany("INSERT INTO session_deltas (session_id, touched, body) VALUES (?, ?, ?)", deltas)
+        written.bases += len(bases)
+        written.deltas += len(deltas)
+        written.groups += sum(w.groups for w in changed)
+        written.bytes += sum(len(w.body) for w in changed)
+
+    def _write_engine(self, engine: EngineStateLike) -> BufferWrite | None:
         from processor.evaluate.engine import EngineState
 
-        arrivals: tuple[list[int], list[int]] | None = None
+        buffered: BufferWrite | None = None
         if isinstance(engine, EngineState):
-            head, gone, added = _split_engine_state(engine, self._stored_arrivals)
-            arrivals = (gone, [a for a, _ in added])
-            if gone:
-                self.executemany("DELETE FROM engine_buffer WHERE replica_id = ? AND arrival = ?",
-                                 [(self.replica_id, a) for a in gone])
-            if added:
-                self.executemany("INSERT INTO engine_buffer (replica_id, arrival, body) VALUES (?, ?, ?)",
-                                 [(self.replica_id, a, dumps(plain)) for a, plain in added])
+            head, gone, added = _split_engine_state(engine, self._buffer)
+            buffered = self._buffer.plan(gone, added)
+            if buffered.deletes:
+                self.executemany("DELETE FROM buffer_segments WHERE replica_id = ? AND segment = ?",
+                                 [(self.replica_id, segment) for segment in buffered.deletes])
+            if buffered.updates:
+                self.executemany("UPDATE buffer_segments SET released = ? WHERE replica_id = ? AND segment = ?",
+                                 [(bitmap, self.replica_id, segment) for segment, bitmap in buffered.updates])
+            self.insert_segment(self.replica_id, buffered)
+            self._write_traces(head)
             body = dumps(head)
         else:
             body = dumps(engine.to_plain())
@@ -268,7 +366,27 @@ class SqlStateStore(StateStore):
             " ON CONFLICT (replica_id) DO UPDATE SET body = excluded.body",
             (self.replica_id, body),
         )
-        return arrivals
+        return buffered
+
+    def _write_traces(self, head: dict[str, Any]) -> None:
+        """Take the identity state's traces out of the engine's head and write those that changed."""
+        identity = head.get("identity")
+        if not isinstance(identity, dict) or not identity.get("traces"):
+            traces: list[Any] = []
+        else:
+            traces = identity["traces"]
+            head["identity"] = {**identity, "traces": []}
+        write = self._traces.plan(traces)
+        if write.gone:
+            self.executemany("DELETE FROM engine_traces WHERE replica_id = ? AND trace_id = ?",
+                             [(self.replica_id, trace_id) for trace_id in write.gone])
+        if write.puts:
+            self.executemany(
+                "INSERT INTO engine_traces (replica_id, trace_id, ord, body) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (replica_id, trace_id) DO UPDATE SET ord = excluded.ord, body = excluded.body",
+                [(self.replica_id, *put) for put in write.puts],
+            )
+        self._storing_traces = write
 
     @contextlib.contextmanager
     def unit(self) -> Iterator[None]:
@@ -313,6 +431,7 @@ class SqlStateStore(StateStore):
         self._pending_sessions = {}
         self._pending_timers = {}
         self._pending_engine = None
+        self._stored = {}  # the engine built next loads its sessions, and this with them
         self._load_timers()
         self.stale = False
 
@@ -325,11 +444,14 @@ class SqlStateStore(StateStore):
             group = group_key_from_plain(orjson.loads(grp))
             index.put_timer(TimerEntry(int(due), str(session_id), str(rule_id), group))
         self._timer_index = index
-        self._stored_arrivals = {
-            int(r[0]) for r in self.query("SELECT arrival FROM engine_buffer WHERE replica_id = ?", (self.replica_id,))
-        }
-        top = self.query("SELECT max(touched) FROM sessions")
-        start = int(top[0][0]) + 1 if top and top[0][0] is not None else 1
+        self._buffer = BufferSegments()
+        self._buffer.load(self.query("SELECT segment, arrivals, released FROM buffer_segments WHERE replica_id = ?",
+                                     (self.replica_id,)))
+        self._traces = StoredTraces()
+        self._traces.load(self.query("SELECT trace_id, ord FROM engine_traces WHERE replica_id = ?",
+                                     (self.replica_id,)))
+        top = self.query("SELECT max(touched) FROM sessions UNION ALL SELECT max(touched) FROM session_deltas")
+        start = max((int(row[0]) for row in top if row[0] is not None), default=0) + 1
         self._touched = itertools.count(start)
 
     # -- StateStore ------------------------------------------------------------------------
@@ -340,7 +462,7 @@ class SqlStateStore(StateStore):
     def engine_plain(self, replica_id: str) -> dict[str, Any] | None:
         """A replica's engine-wide state as plain data, its reordering buffer put back together."""
         rows = self.query("SELECT body FROM engine WHERE replica_id = ?", (replica_id,))
-        buffered = self.query("SELECT body FROM engine_buffer WHERE replica_id = ? ORDER BY arrival", (replica_id,))
+        buffered = self.query("SELECT body, released FROM buffer_segments WHERE replica_id = ?", (replica_id,))
         if not rows and not buffered:
             return None
         if rows:
@@ -350,7 +472,11 @@ class SqlStateStore(StateStore):
             from processor.evaluate.engine import EngineState
 
             loaded = EngineState().to_plain()
-        loaded["buffer"] = [*loaded.get("buffer", ()), *(orjson.loads(bytes(r[0])) for r in buffered)]
+        loaded["buffer"] = [*loaded.get("buffer", ()), *live_entries(buffered)]
+        traces = self.query("SELECT trace_id, body FROM engine_traces WHERE replica_id = ? ORDER BY ord", (replica_id,))
+        if traces and isinstance(loaded.get("identity"), dict):
+            identity = loaded["identity"]
+            identity["traces"] = [*identity.get("traces", ()), *([str(t), orjson.loads(bytes(b))] for t, b in traces)]
         return loaded
 
     def save_engine(self, state: EngineStateLike) -> None:
@@ -358,15 +484,31 @@ class SqlStateStore(StateStore):
 
     def load_sessions(self, schema: RuleSchema) -> Iterator[SessionState]:
         clause, params = self.owned_sessions_clause()
-        statement = f"SELECT session_id, body FROM sessions WHERE {clause} ORDER BY touched"  # noqa: S608
-        rows = self.query(statement, params)
+        # The clause is a constant of the store class; values are parameters.
+        bases = self.query(f"SELECT session_id, touched, body FROM sessions WHERE {clause}", params)  # noqa: S608
+        deltas: dict[str, list[bytes]] = {}
+        touched: dict[str, int] = {}
+        for sid, when, body in self.query(
+            f"SELECT session_id, touched, body FROM session_deltas WHERE {clause}"  # noqa: S608
+            " ORDER BY session_id, touched", params,
+        ):
+            deltas.setdefault(str(sid), []).append(bytes(body))
+            touched[str(sid)] = int(when)
+        # Least recently written first: the engine rebuilds its LRU in this order.
+        order = sorted(bases, key=lambda row: touched.get(str(row[0]), int(row[1])))
+        self._stored = {}
         skipped = 0
-        for _, body in rows:
+        for sid, _, base in order:
+            session_id = str(sid)
             try:
-                yield SessionState.from_plain(schema, orjson.loads(bytes(body)))
+                plain, stored = session_plain(bytes(base), deltas.pop(session_id, ()))
+                session = SessionState.from_plain(schema, plain)
             except (ValueError, KeyError, TypeError, IndexError):
                 # One unreadable session must not keep every other from starting (ids are not logged).
                 skipped += 1
+                continue
+            self._stored[session_id] = stored
+            yield session
         if skipped:
             log.error("%d session(s) could not be restored from the state store", skipped)
 
@@ -428,9 +570,9 @@ class SqlStateStore(StateStore):
 
 
 def _split_engine_state(
-    state: Any, stored: set[int]
+    state: Any, stored: BufferSegments
 ) -> tuple[dict[str, Any], list[int], list[tuple[int, dict[str, Any]]]]:
-    """The engine-wide state without its buffer, the stored arrivals released since the last write, and
+    """The engine-wide state without its buffer, the arrivals released since the last write, and
     the plain form of the spans buffered since then (only those are converted).
 
     The engine notes what it buffers and releases once asked to (``added``/``released``), so a
@@ -447,11 +589,14 @@ def _split_engine_state(
         state.buffer = buffer
     if state.added is None or state.released is None:
         arrivals = {item.arrival for item in buffer}
-        gone = [a for a in stored if a not in arrivals]
-        fresh = [item for item in buffer if item.arrival not in stored]
+        held = stored.live_arrivals()
+        gone = [a for a in held if a not in arrivals]
+        fresh = [item for item in buffer if item.arrival not in held]
     else:
-        released = set(state.released)
-        gone = [a for a in released if a in stored]
+        # Released arrivals that were never stored (buffered and released between two writes)
+        # are not found in the segments and cost nothing.
+        gone = state.released
+        released = set(gone)
         fresh = [item for item in state.added if item.arrival not in released]
     state.added = []
     state.released = []

@@ -1,0 +1,66 @@
+"""What recent traces named (the engine's identity state), one row per trace, written by difference.
+
+The engine remembers, per recent trace, the session it names, its ancestors, the tool
+calls it requested and the spans held until the session is known: thousands of traces
+at full rate (they are kept for twice the allowed lateness), a megabyte of plain data.
+Kept inside the engine's row it was written whole at every commit, twenty times a
+second. Each trace is now a row of ``engine_traces``; a commit writes the traces the
+engine changed and deletes those it forgot.
+
+A trace's plain form is cached by the engine until the trace changes, so "unchanged"
+is "the same object as the one written". Traces are ordered (the least recently
+touched is forgotten first) and a touched trace becomes the newest, so, as for a
+session's groups (:mod:`processor.state.sessionrows`), each row carries a position
+from a counter that only grows, and a trace is rewritten when it moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from processor.state.sessionrows import dumps
+
+
+@dataclass(slots=True)
+class TraceWrite:
+    puts: list[tuple[str, int, bytes]] = field(default_factory=list)  # trace id, position, body
+    gone: list[str] = field(default_factory=list)
+    stored: dict[str, tuple[int, object]] = field(default_factory=dict)
+    next_ord: int = 0
+
+
+class StoredTraces:
+    """Per trace id, the position of its row and the plain object written (None: read at a start)."""
+
+    def __init__(self) -> None:
+        self._traces: dict[str, tuple[int, object]] = {}
+        self._next = 0
+
+    def load(self, rows: Iterable[tuple[str, int]]) -> None:
+        self._traces = {str(trace_id): (int(ord_), None) for trace_id, ord_ in rows}
+        self._next = max((o for o, _ in self._traces.values()), default=-1) + 1
+
+    def plan(self, traces: Sequence[Sequence[Any]]) -> TraceWrite:
+        """The writes that make the rows hold ``traces`` ([trace id, plain] in the engine's order)."""
+        write = TraceWrite(next_ord=self._next)
+        old = self._traces
+        last = -1
+        for trace_id, plain in traces:
+            had = old.get(trace_id)
+            if had is not None and had[1] is plain and had[0] > last:
+                write.stored[trace_id] = had
+                last = had[0]
+                continue
+            write.puts.append((trace_id, write.next_ord, dumps(plain)))
+            write.stored[trace_id] = (write.next_ord, plain)
+            last = write.next_ord
+            write.next_ord += 1
+        write.gone = [trace_id for trace_id in old if trace_id not in write.stored]
+        return write
+
+    def apply(self, write: TraceWrite) -> None:
+        """The transaction that wrote ``write`` committed."""
+        self._traces = write.stored
+        self._next = write.next_ord

@@ -1,0 +1,349 @@
+"""Sessions stored as rows: a commit writes what changed of a session, and a restart restores it exactly.
+
+Run on SQLite and on a real PostgreSQL server; the migration of a state file of the
+previous layout (one whole row per session) is checked on SQLite.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from processor.errors import StateError
+from processor.evaluate.engine import Engine, EngineOptions
+from processor.state.bufferrows import live_entries
+from processor.state.postgres import PostgresStore
+from processor.state.session import CountState, RuleSchema, SessionState
+from processor.state.sessionrows import MAX_DELTAS
+from processor.state.sqlite import SqliteStore
+from processor.state.sqlstore import SqlStateStore
+from tests._engine_util import Spans, fired, shipped
+from tests.pg_support import fresh_database, pg_server
+from tests.test_session_identity import LLM, Clock, agent_run
+from tests.test_session_identity import convert as identity_convert
+from tests.test_session_identity import engine as identity_engine
+
+__all__ = ["pg_server"]  # the fixture, used by name
+
+SCHEMA = RuleSchema(
+    rule_ids=("R_COUNT", "R_CHANGE"),
+    kinds=("count", "change"),
+    first_names=((), ()),
+)
+GROUP_LIMIT = 40
+SEEN_LIMIT = 500
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], SqlStateStore]]:
+    """Opens the store again on the same database, as a restarted process does."""
+    opened: list[SqlStateStore] = []
+    if request.param == "sqlite":
+        def make() -> SqlStateStore:
+            for store in opened:
+                store.close()
+            opened.append(SqliteStore(tmp_path / "state.db"))
+            return opened[-1]
+    else:
+        url = fresh_database(request.getfixturevalue("pg_server"))
+
+        def make() -> SqlStateStore:
+            for store in opened:
+                store.close()
+            opened.append(PostgresStore(url, replica_id="r1", lease_ttl_s=30))
+            return opened[-1]
+    yield make
+    for store in opened:
+        store.close()
+
+
+def _plain_of(store: SqlStateStore) -> dict[str, dict[str, Any]]:
+    return {s.session_id: s.to_plain(SCHEMA) for s in store.load_sessions(SCHEMA)}
+
+
+def _session_with_groups(groups: int) -> SessionState:
+    session = SessionState("s1")
+    for g in range(groups):
+        session.put_group(0, f"g{g}", CountState([g], 1), SCHEMA.width, GROUP_LIMIT)
+    session.count_kind("tool_call")
+    session.activity_ns = 1
+    return session
+
+
+def _deltas(store: SqlStateStore) -> list[dict[str, Any]]:
+    return [orjson.loads(bytes(r[0])) for r in store.query("SELECT body FROM session_deltas ORDER BY touched")]
+
+
+def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Callable[[], SqlStateStore]) -> None:
+    store = open_store()
+    session = _session_with_groups(30)
+    # Past the size below which a session is written whole at every commit.
+    for d in range(600):
+        session.check_seen(2**62 + d, 10_000)
+    store.save_session(session, SCHEMA)
+    store.commit()
+    assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (1, 0, 30)
+    base_bytes = store.rows_written.bytes
+
+    # A group of the other rule appears, one digest arrives: a delta with just those.
+    session.put_group(1, "k0", "first value", SCHEMA.width, GROUP_LIMIT)
+    session.check_seen(10_001, 10_000)
+    session.activity_ns = 2
+    store.save_session(session, SCHEMA)
+    store.commit()
+    assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (0, 1, 1)
+    assert store.rows_written.bytes * 20 < base_bytes
+    delta = _deltas(store)[-1]
+    assert (delta["rules"], delta["drop"]) == ({"R_CHANGE": [["k0", {"value": "first value"}]]}, [])
+    assert (delta["seen"], delta["forget"], delta["head"]["activity_ns"]) == ([10_001], 0, 2)
+
+    # A count changes in place: its rule's groups are written, in their order; nothing else.
+    count = session.get_group(0, "g7")
+    count.times.append(8)
+    count.count = 2
+    store.save_session(session, SCHEMA)
+    store.commit()
+    delta = _deltas(store)[-1]
+    assert list(delta["rules"]) == ["R_COUNT"] and delta["seen"] == []
+    assert [key for key, _ in delta["rules"]["R_COUNT"]] == [f"g{g}" for g in range(30)]
+
+    # A group that becomes the newest again (same state) is a change of order; a rule left
+    # without groups is said so.
+    session.put_group(0, "g3", session.get_group(0, "g3"), SCHEMA.width, GROUP_LIMIT)
+    session.drop_group(1, "k0")
+    store.save_session(session, SCHEMA)
+    store.commit()
+    delta = _deltas(store)[-1]
+    assert [key for key, _ in delta["rules"]["R_COUNT"]][-2:] == ["g29", "g3"]
+    assert delta["drop"] == ["R_CHANGE"]
+
+    restarted = open_store()
+    assert _plain_of(restarted) == {"s1": session.to_plain(SCHEMA)}
+    # The restarted store knows what it loaded: one more change is one more small delta.
+    loaded = next(iter(restarted.load_sessions(SCHEMA)))
+    loaded.put_group(1, "k", "first value", SCHEMA.width, GROUP_LIMIT)
+    restarted.save_session(loaded, SCHEMA)
+    restarted.commit()
+    assert (restarted.rows_written.deltas, restarted.rows_written.groups) == (1, 1)
+    assert _plain_of(open_store()) == {"s1": loaded.to_plain(SCHEMA)}
+
+
+def test_a_small_session_is_written_whole_until_it_grows(open_store: Callable[[], SqlStateStore]) -> None:
+    store = open_store()
+    session = _session_with_groups(3)
+    digest = 2**62  # digests are 64-bit: about 19 digits each in JSON
+    kinds: list[tuple[int, int]] = []
+    while not kinds or kinds[-1] != (0, 1):
+        for _ in range(50):
+            digest += 1
+            session.check_seen(digest, 10_000)
+        store.save_session(session, SCHEMA)
+        store.commit()
+        kinds.append((store.rows_written.bases, store.rows_written.deltas))
+        assert len(kinds) < 40
+    # Whole while under WHOLE_BELOW, once more whole with its groups known, then deltas.
+    assert kinds[:-1] == [(1, 0)] * (len(kinds) - 1) and len(kinds) > 2
+    assert store.rows_written.bytes < 2000
+    assert _plain_of(open_store()) == {"s1": session.to_plain(SCHEMA)}
+
+
+def test_deltas_are_folded_into_a_new_base_once_they_outweigh_it(open_store: Callable[[], SqlStateStore]) -> None:
+    store = open_store()
+    session = _session_with_groups(3)
+    for d in range(600):
+        session.check_seen(2**62 + d, 10_000)
+    store.save_session(session, SCHEMA)
+    store.commit()
+    assert store.rows_written.bases == 1
+    commits = 0
+    while True:
+        commits += 1
+        session.put_group(0, f"n{commits}", CountState([commits], 1), SCHEMA.width, GROUP_LIMIT)
+        store.save_session(session, SCHEMA)
+        store.commit()
+        if store.rows_written.bases:
+            break
+        assert store.rows_written.deltas == 1
+        assert commits <= MAX_DELTAS
+    # The deltas were replaced by the base; the session reads back the same.
+    assert store.query("SELECT count(*) FROM session_deltas")[0][0] == 0
+    assert _plain_of(open_store()) == {"s1": session.to_plain(SCHEMA)}
+
+
+def _mutate(rng: random.Random, session: SessionState, digest: list[int]) -> None:
+    roll = rng.random()
+    key = f"g{rng.randrange(60)}"
+    if roll < 0.35:
+        times = sorted(rng.randrange(1000) for _ in range(rng.randrange(1, 4)))
+        session.put_group(0, key, CountState(times, len(times), rng.random() < 0.2), SCHEMA.width, GROUP_LIMIT)
+    elif roll < 0.45:
+        session.put_group(1, rng.choice([key, 7, (1, "x"), None]), rng.choice(["v", 1.5, {"a": [1]}]),
+                          SCHEMA.width, GROUP_LIMIT)
+    elif roll < 0.55:
+        session.drop_group(rng.randrange(2), key)
+    elif roll < 0.6:
+        # A burst of more new digests than are kept: everything stored is forgotten at once.
+        for _ in range(SEEN_LIMIT + rng.randrange(5)):
+            digest[0] += 1
+            session.check_seen(digest[0], SEEN_LIMIT)
+    else:
+        for _ in range(rng.randrange(1, 20)):
+            digest[0] += 1
+            session.check_seen(digest[0], SEEN_LIMIT)
+        session.count_kind(rng.choice(["tool_call", "payment"]))
+    session.activity_ns = rng.randrange(10**12)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_restarts_restore_exactly_what_was_committed(open_store: Callable[[], SqlStateStore], seed: int) -> None:
+    rng = random.Random(seed)
+    store = open_store()
+    live = {f"s{i}": SessionState(f"s{i}") for i in range(6)}
+    saved: set[str] = set()
+    digest = [2**62]
+    restarts = 0
+    written = [0, 0]  # bases, deltas
+    for step in range(150):
+        for _ in range(rng.randrange(1, 8)):
+            sid = rng.choice(sorted(live))
+            _mutate(rng, live[sid], digest)
+            store.save_session(live[sid], SCHEMA)
+            saved.add(sid)
+        if rng.random() < 0.1:
+            gone = rng.choice(sorted(live))
+            store.delete_session(gone)
+            saved.discard(gone)
+            live[gone] = SessionState(gone)  # the same id may come back later, as a new session
+        store.commit()
+        written[0] += store.rows_written.bases
+        written[1] += store.rows_written.deltas
+        if step % 15 == 14:
+            store = open_store()
+            restarts += 1
+            loaded = {s.session_id: s for s in store.load_sessions(SCHEMA)}
+            assert {sid: s.to_plain(SCHEMA) for sid, s in loaded.items()} == {
+                sid: live[sid].to_plain(SCHEMA) for sid in saved
+            }
+            # The process goes on with what it loaded, as serve does after a restart.
+            live = {sid: loaded.get(sid, SessionState(sid)) for sid in live}
+    assert restarts == 10
+    assert written[0] > 20 and written[1] > 100, "both whole and delta writes must be exercised"
+
+
+def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    spans = Spans()
+    first = SqliteStore(path)
+    engine = Engine(shipped(), EngineOptions(), first)
+    engine.submit_many([spans(1.0, "s1", workflow_state="awaiting_approval", wait_timeout_s=3, action_id="w1"),
+                        spans(2.0, "s2", kind="payment"), spans(7.0, "s1"), spans(6.9, "s2"), spans(7.0, "s2")])
+    expected = {s.session_id: s.to_plain(engine.schema) for s in first.load_sessions(engine.schema)}
+    first.close()
+    # The same state as the previous layout wrote it: each session whole in its row, version 1.
+    conn = sqlite3.connect(path)
+    for sid, plain in expected.items():
+        conn.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (orjson.dumps(plain), sid))
+    conn.execute("DELETE FROM session_deltas")
+    # ... and each buffered span in a row of its own.
+    buffered = live_entries(conn.execute("SELECT body, released FROM buffer_segments"))
+    assert buffered, "the workload must leave spans in the reordering buffer"
+    conn.execute("CREATE TABLE engine_buffer (replica_id TEXT NOT NULL, arrival INTEGER NOT NULL,"
+                 " body BLOB NOT NULL, PRIMARY KEY (replica_id, arrival))")
+    conn.executemany("INSERT INTO engine_buffer VALUES ('local', ?, ?)",
+                     [(e["arrival"], orjson.dumps(e)) for e in buffered])
+    conn.execute("DROP TABLE buffer_segments")
+    conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+
+    again = SqliteStore(path)
+    assert again.load_engine()["buffer"] == buffered
+    restored = Engine(shipped(), EngineOptions(), again)
+    assert {s.session_id: s.to_plain(restored.schema) for s in again.load_sessions(restored.schema)} == expected
+    assert again.meta_get("schema_version") == "2"
+    assert not again.has_table("engine_buffer")
+    found = restored.submit_many([spans(10.0, "s3")]) + restored.finish()
+    assert ("DS107", "s1", "w1") in fired(found)
+    again.close()
+
+
+def test_a_state_file_of_an_unknown_layout_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    SqliteStore(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StateError) as caught:
+        SqliteStore(path)
+    message = str(caught.value)
+    assert str(path) in message and "schema version 9" in message and "move the database aside" in message
+
+
+def _buffer_rows(store: SqlStateStore) -> list[tuple[int, int]]:
+    """(segment, spans still held) of each stored buffer segment."""
+    rows = store.query("SELECT segment, body, released FROM buffer_segments ORDER BY segment")
+    return [(int(segment), len(live_entries([(body, released)]))) for segment, body, released in rows]
+
+
+def test_the_reordering_buffer_is_written_as_one_segment_per_commit(open_store: Callable[[], SqlStateStore]) -> None:
+    spans = Spans()
+    store = open_store()
+    engine = Engine(shipped(), EngineOptions(allowed_lateness_s=5.0), store)
+    # 40 spans within the lateness: one commit, one row holding all of them.
+    engine.submit_many([spans(1.0 + i * 0.1, f"s{i % 4}", action_id=f"a{i}") for i in range(40)])
+    assert _buffer_rows(store) == [(1, 40)]
+    # The watermark (3.0) passes the first 21: they are marked released in that row; the new span
+    # is the next segment.
+    engine.submit_many([spans(8.0, "s9", action_id="late-mover")])
+    assert len(engine._state.buffer) == 20
+    assert _buffer_rows(store) == [(1, 19), (2, 1)]
+    restarted = open_store()
+    restored = restarted.load_engine()
+    assert isinstance(restored, dict)
+    assert sorted(e["arrival"] for e in restored["buffer"]) == sorted(b.arrival for b in engine._state.buffer)
+    # Everything released: the segments go.
+    again = Engine(shipped(), EngineOptions(allowed_lateness_s=5.0), restarted)
+    again.submit_many([spans(30.0, "s9", action_id="last")])
+    assert _buffer_rows(restarted) == [(3, 1)]
+
+
+def _trace_rows(store: SqlStateStore) -> dict[str, int]:
+    return {str(t): int(o) for t, o in store.query("SELECT trace_id, ord FROM engine_traces")}
+
+
+def test_what_traces_named_is_written_a_trace_at_a_time(open_store: Callable[[], SqlStateStore]) -> None:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer, clock = provider.get_tracer("tests"), Clock()
+    store = open_store()
+    checker = identity_engine(store)
+    for run in range(4):
+        agent_run(tracer, clock, {"gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": f"conv-{run}"},
+                  [("chat", LLM)])
+    checker.submit_many(identity_convert(memory.get_finished_spans()))
+    first = _trace_rows(store)
+    assert len(first) == 4
+    # One more run in a new trace: its row is written; the other rows are not touched.
+    memory.clear()
+    agent_run(tracer, clock, {"gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": "conv-9"},
+              [("chat", LLM)])
+    checker.submit_many(identity_convert(memory.get_finished_spans()))
+    second = _trace_rows(store)
+    assert {t: o for t, o in second.items() if t in first} == first
+    assert len(second) == 5 and max(second.values()) == max(first.values()) + 1
+    # A restart reads back what the engine remembers, in its order.
+    restored = open_store().load_engine()
+    assert isinstance(restored, dict)
+    assert restored["identity"] == checker._state.identity.to_plain()
+    provider.shutdown()

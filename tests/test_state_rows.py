@@ -22,7 +22,8 @@ from processor.errors import StateError
 from processor.evaluate.engine import Engine, EngineOptions
 from processor.state.bufferrows import live_entries
 from processor.state.postgres import PostgresStore
-from processor.state.session import CountState, RuleSchema, SessionState
+from processor.state.session import CountState, RuleSchema, SessionState, group_key
+from processor.state.session import key_digest as K  # the engine keys every group by a digest
 from processor.state.sessionrows import MAX_DELTAS
 from processor.state.sqlite import SqliteStore
 from processor.state.sqlstore import SqlStateStore
@@ -73,7 +74,7 @@ def _plain_of(store: SqlStateStore) -> dict[str, dict[str, Any]]:
 def _session_with_groups(groups: int) -> SessionState:
     session = SessionState("s1")
     for g in range(groups):
-        session.put_group(0, f"g{g}", CountState([g], 1), SCHEMA.width, GROUP_LIMIT)
+        session.put_group(0, K(f"g{g}"), CountState([g], 1), SCHEMA.width, GROUP_LIMIT)
     session.count_kind("tool_call")
     session.activity_ns = 1
     return session
@@ -95,7 +96,7 @@ def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Ca
     base_bytes = store.rows_written.bytes
 
     # A group of the other rule appears, one digest arrives: a delta with just those.
-    session.put_group(1, "k0", "first value", SCHEMA.width, GROUP_LIMIT)
+    session.put_group(1, K("k0"), "first value", SCHEMA.width, GROUP_LIMIT)
     session.check_seen(10_001, 10_000)
     session.activity_ns = 2
     store.save_session(session, SCHEMA)
@@ -103,34 +104,34 @@ def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Ca
     assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (0, 1, 1)
     assert store.rows_written.bytes * 20 < base_bytes
     delta = _deltas(store)[-1]
-    assert (delta["rules"], delta["drop"]) == ({"R_CHANGE": [["k0", {"value": "first value"}]]}, [])
+    assert (delta["rules"], delta["drop"]) == ({"R_CHANGE": [[[K("k0")], {"value": "first value"}]]}, [])
     assert (delta["seen"], delta["forget"], delta["head"]["activity_ns"]) == ([10_001], 0, 2)
 
     # A count changes in place: its rule's groups are written, in their order; nothing else.
-    count = session.get_group(0, "g7")
+    count = session.get_group(0, K("g7"))
     count.times.append(8)
     count.count = 2
     store.save_session(session, SCHEMA)
     store.commit()
     delta = _deltas(store)[-1]
     assert list(delta["rules"]) == ["R_COUNT"] and delta["seen"] == []
-    assert [key for key, _ in delta["rules"]["R_COUNT"]] == [f"g{g}" for g in range(30)]
+    assert [key for key, _ in delta["rules"]["R_COUNT"]] == [[K(f"g{g}")] for g in range(30)]
 
     # A group that becomes the newest again (same state) is a change of order; a rule left
     # without groups is said so.
-    session.put_group(0, "g3", session.get_group(0, "g3"), SCHEMA.width, GROUP_LIMIT)
-    session.drop_group(1, "k0")
+    session.put_group(0, K("g3"), session.get_group(0, K("g3")), SCHEMA.width, GROUP_LIMIT)
+    session.drop_group(1, K("k0"))
     store.save_session(session, SCHEMA)
     store.commit()
     delta = _deltas(store)[-1]
-    assert [key for key, _ in delta["rules"]["R_COUNT"]][-2:] == ["g29", "g3"]
+    assert [key for key, _ in delta["rules"]["R_COUNT"]][-2:] == [[K("g29")], [K("g3")]]
     assert delta["drop"] == ["R_CHANGE"]
 
     restarted = open_store()
     assert _plain_of(restarted) == {"s1": session.to_plain(SCHEMA)}
     # The restarted store knows what it loaded: one more change is one more small delta.
     loaded = next(iter(restarted.load_sessions(SCHEMA)))
-    loaded.put_group(1, "k", "first value", SCHEMA.width, GROUP_LIMIT)
+    loaded.put_group(1, K("k"), "first value", SCHEMA.width, GROUP_LIMIT)
     restarted.save_session(loaded, SCHEMA)
     restarted.commit()
     assert (restarted.rows_written.deltas, restarted.rows_written.groups) == (1, 1)
@@ -167,7 +168,7 @@ def test_deltas_are_folded_into_a_new_base_once_they_outweigh_it(open_store: Cal
     commits = 0
     while True:
         commits += 1
-        session.put_group(0, f"n{commits}", CountState([commits], 1), SCHEMA.width, GROUP_LIMIT)
+        session.put_group(0, K(f"n{commits}"), CountState([commits], 1), SCHEMA.width, GROUP_LIMIT)
         store.save_session(session, SCHEMA)
         store.commit()
         if store.rows_written.bases:
@@ -181,12 +182,12 @@ def test_deltas_are_folded_into_a_new_base_once_they_outweigh_it(open_store: Cal
 
 def _mutate(rng: random.Random, session: SessionState, digest: list[int]) -> None:
     roll = rng.random()
-    key = f"g{rng.randrange(60)}"
+    key = K(f"g{rng.randrange(60)}")
     if roll < 0.35:
         times = sorted(rng.randrange(1000) for _ in range(rng.randrange(1, 4)))
         session.put_group(0, key, CountState(times, len(times), rng.random() < 0.2), SCHEMA.width, GROUP_LIMIT)
     elif roll < 0.45:
-        session.put_group(1, rng.choice([key, 7, (1, "x"), None]), rng.choice(["v", 1.5, {"a": [1]}]),
+        session.put_group(1, rng.choice([key, K(7), group_key((1, "x")), K(None)]), rng.choice(["v", 1.5, {"a": [1]}]),
                           SCHEMA.width, GROUP_LIMIT)
     elif roll < 0.55:
         session.drop_group(rng.randrange(2), key)

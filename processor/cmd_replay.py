@@ -180,13 +180,11 @@ def _lane_may_apply(args: argparse.Namespace) -> bool:
 
 
 def _replay_lane(args: argparse.Namespace, lane: Any, report: Report, said: set[str]) -> int:
-    from processor.report import printable, verdict_line
+    from processor.report import verdict_line
 
     lane.run(list(args.inputs), args.input_format, report, said)
-    try:
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
-    except OSError as exc:
-        sys.stderr.write(f"durable-check: --output {printable(args.output)}: {exc.strerror or exc}\n")
+    out = _open_output(args)
+    if out is None:
         return 2
     try:
         if args.format == "json":
@@ -232,10 +230,8 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callabl
                     sys.stderr.write(f"durable-check: {message}\n")
         report.add(pipeline.finish())
         report.summary = pipeline.engine.summary()
-        try:
-            out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
-        except OSError as exc:
-            sys.stderr.write(f"durable-check: --output {printable(args.output)}: {exc.strerror or exc}\n")
+        out = _open_output(args)
+        if out is None:
             return 2
         try:
             _write_report(args.format, report, pipeline, ruleset, out)
@@ -252,6 +248,17 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callabl
     finally:
         report.close()
     return report.exit_code
+
+
+def _open_output(args: argparse.Namespace) -> TextIO | None:
+    """Where the report goes (``--output`` or standard output); None, said on stderr, when it cannot be opened."""
+    from processor.report import printable
+
+    try:
+        return open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as exc:
+        sys.stderr.write(f"durable-check: --output {printable(args.output)}: {exc.strerror or exc}\n")
+        return None
 
 
 def _write_report(fmt: str, report: Report, pipeline: Pipeline, ruleset: RuleSet, out: TextIO) -> None:

@@ -38,9 +38,23 @@ _ACCEPTED: Final[dict[str, frozenset[type]]] = {
 }
 
 
-def accepted_types() -> dict[str, frozenset[type]]:
-    """Field -> the Python types a well-formed record's value may have (null aside)."""
-    return _ACCEPTED
+def well_formed(record: dict[str, Any]) -> bool:
+    """Whether ``validate_record`` finds nothing in a parsed object: the required fields are
+    non-empty strings and every known field has its type (or is null). The check every
+    well-formed line pays, so it is written for speed; validate_record says what is wrong."""
+    for name in REQUIRED_FIELDS:
+        value = record.get(name)
+        if type(value) is not str or not value:
+            return False
+    accepted = _ACCEPTED
+    for name, value in record.items():
+        types = accepted.get(name)
+        if types is not None and value is not None:
+            kind = type(value)
+            # An int past 64 bits (orjson gives up to 2**64-1) goes to validate_record's message.
+            if kind not in types or (kind is int and not INT64_MIN <= value <= INT64_MAX):
+                return False
+    return True
 
 
 def _id_or_empty(record: dict[str, Any], name: str) -> str:
@@ -108,8 +122,6 @@ def parse_lines(
     """
     loads = orjson.loads
     decode_error = orjson.JSONDecodeError
-    accepted = _ACCEPTED
-    required = REQUIRED_FIELDS
     append = out.append
     number = first_line - 1
     for raw in raw_lines:
@@ -118,27 +130,11 @@ def parse_lines(
             record = loads(raw)
         except decode_error:
             record = None
-        if type(record) is dict:
-            well_formed = True
-            for name in required:
-                value = record.get(name)
-                if type(value) is not str or not value:
-                    well_formed = False
-                    break
-            if well_formed:
-                for name, value in record.items():
-                    types = accepted.get(name)
-                    if types is not None and value is not None:
-                        kind = type(value)
-                        # An int past 64 bits (orjson gives up to 2**64-1) goes to parse_line's message.
-                        if kind not in types or (kind is int and not INT64_MIN <= value <= INT64_MAX):
-                            well_formed = False
-                            break
-            if well_formed:
-                when = record.get("time")
-                append(Action(record, "log", origin, number, parse_rfc3339(when) if type(when) is str else None, seq))
-                seq += 1
-                continue
+        if type(record) is dict and well_formed(record):
+            when = record.get("time")
+            append(Action(record, "log", origin, number, parse_rfc3339(when) if type(when) is str else None, seq))
+            seq += 1
+            continue
         item = parse_line(raw, origin, number, seq)
         if item is not None:
             if isinstance(item, Action):

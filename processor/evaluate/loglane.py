@@ -38,7 +38,7 @@ from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 
 import orjson
 
-from processor.convert.actionlog import accepted_types, parse_line, parsed_line
+from processor.convert.actionlog import parse_line, parsed_line, well_formed
 from processor.convert.timefmt import parse_rfc3339
 from processor.errors import EvaluationError, InputError
 from processor.evaluate.cel import (
@@ -50,7 +50,7 @@ from processor.evaluate.cel import (
 )
 from processor.evaluate.cel._codegen import facts_when_true
 from processor.evaluate.model import MessageTemplate
-from processor.records import FIELD_TYPES, INT64_MAX, INT64_MIN, REQUIRED_FIELDS, Action, Malformed
+from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
 from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import Violation, make_violation_id
@@ -200,8 +200,6 @@ class LogLane:
 
         loads = orjson.loads
         decode_error = orjson.JSONDecodeError
-        accepted = accepted_types()
-        required = REQUIRED_FIELDS
         sessions = self._sessions
         check = self._generated.check
         heads = self._generated.heads
@@ -241,22 +239,7 @@ class LogLane:
                     record = loads(raw)
                 except decode_error:
                     record = None
-                well_formed = type(record) is dict
-                if well_formed:
-                    for name in required:
-                        value = record.get(name)
-                        if type(value) is not str or not value:
-                            well_formed = False
-                            break
-                    if well_formed:
-                        for name, value in record.items():
-                            types = accepted.get(name)
-                            if types is not None and value is not None:
-                                kind = type(value)
-                                if kind not in types or (kind is int and not INT64_MIN <= value <= INT64_MAX):
-                                    well_formed = False
-                                    break
-                if not well_formed:
+                if not (type(record) is dict and well_formed(record)):
                     # The message of a line that parsed needs no second parse; others go through parse_line.
                     item = parse_line(raw, origin, number) if record is None else parsed_line(record, origin, number)
                     if item is None:
@@ -288,36 +271,28 @@ class LogLane:
                     meta["time_ns"] = t or 0
                 check(record, number, t, hits)
                 if hits:
-                    if single_json and len(hits) == 1:
-                        position = hits[0]
-                        first = views.pop(position, None) if position >= conditions else None
+                    if len(hits) > 1 or not (single_text or single_json):
+                        self._emit(hits, record, number, t, origin)
+                        hits.clear()
+                        continue
+                    # The common case, inline: one violation on a line.
+                    position = hits.pop()
+                    tally = counts.get(session_id)
+                    if tally is None:
+                        tally = counts[session_id] = [0] * width
+                    tally[position] += 1
+                    first = views.pop(position, None) if position >= conditions else None
+                    if single_json:
                         message = messages[position](record, first, number, t)
                         objects.append(violation_json(plans[position], record, number, t, origin, message))
                         if len(objects) >= JSON_BLOCK:
                             self._flush()
-                        tally = counts.get(session_id)
-                        if tally is None:
-                            tally = counts[session_id] = [0] * width
-                        tally[position] += 1
-                        hits.clear()
                         continue
-                    if single_text and len(hits) == 1:
-                        # The common case, inline: one violation on a line of a single input.
-                        position = hits[0]
-                        first = views.pop(position, None) if position >= conditions else None
-                        action_id = record["action_id"]
-                        if not (action_id.isascii() and action_id.isprintable()):
-                            action_id = printable(action_id)
-                        message = printed[position](record, first, number, t)
-                        lines.append(f"line {number} [{action_id}]: {heads[position]}{message}")
-                        tally = counts.get(session_id)
-                        if tally is None:
-                            tally = counts[session_id] = [0] * width
-                        tally[position] += 1
-                        hits.clear()
-                        continue
-                    self._emit(hits, record, number, t, origin)
-                    hits.clear()
+                    action_id = record["action_id"]
+                    if not (action_id.isascii() and action_id.isprintable()):
+                        action_id = printable(action_id)
+                    message = printed[position](record, first, number, t)
+                    lines.append(f"line {number} [{action_id}]: {heads[position]}{message}")
             if lines:
                 self._flush()
         self._actions += actions

@@ -330,22 +330,7 @@ class SpanConverter:
         if synthetic:
             action_id = f"span-{span_hex}"
         default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
-        if merged:
-            record: Record = {
-                "session_id": session,
-                "action_id": action_id,
-                "kind": kind,
-                "status": merged.get("status") or default_status,
-            }
-            recorded = merged.get("result")
-            if recorded is True or (recorded is None and verdict is not None and verdict.result_recorded):
-                record["result"] = None
-            for name in self._field_order(tuple(merged)):
-                record[name] = merged[name]
-        else:
-            record = {"session_id": session, "action_id": action_id, "kind": kind, "status": default_status}
-            if verdict is not None and verdict.result_recorded:
-                record["result"] = None
+        record = self._record(session, action_id, kind, default_status=default_status, merged=merged, verdict=verdict)
         time_ns: int = span.start_time_unix_nano
         if time_ns > INT64_MAX:
             time_ns = 0  # as _build: past the signed 64-bit range the time is unknown
@@ -672,6 +657,23 @@ class SpanConverter:
         synthetic = not action_id
         if not action_id:
             action_id = f"span-{span_hex}" if index == 0 else f"span-{span_hex}-{index}"
+        record = self._record(session, action_id, kind, default_status=default_status, merged=merged, verdict=verdict)
+        if time_ns > INT64_MAX:
+            time_ns = 0  # OTLP times are unsigned; past the signed 64-bit range the time is unknown
+        if time_ns:
+            record["time"] = self._format_time(time_ns)
+        record["trace_id"] = trace_hex
+        record["span_id"] = span_hex
+        if resource.service is not None:
+            record["service"] = resource.service
+        if resource.instance is not None:
+            record["instance"] = resource.instance
+        return Action(record, "span", origin, None, time_ns or None, seq, (trace_hex, span_hex, index), synthetic)
+
+    def _record(
+        self, session: str, action_id: Any, kind: Any, *, default_status: str, merged: dict[str, Any], verdict: Any
+    ) -> Record:
+        """The record of a span (or event): identity, kind and status first, then the merged fields."""
         if merged:
             record: Record = {
                 "session_id": session,
@@ -684,21 +686,11 @@ class SpanConverter:
                 record["result"] = None
             for name in self._field_order(tuple(merged)):
                 record[name] = merged[name]
-        else:
-            record = {"session_id": session, "action_id": action_id, "kind": kind, "status": default_status}
-            if verdict is not None and verdict.result_recorded:
-                record["result"] = None
-        if time_ns > INT64_MAX:
-            time_ns = 0  # OTLP times are unsigned; past the signed 64-bit range the time is unknown
-        if time_ns:
-            record["time"] = self._format_time(time_ns)
-        record["trace_id"] = trace_hex
-        record["span_id"] = span_hex
-        if resource.service is not None:
-            record["service"] = resource.service
-        if resource.instance is not None:
-            record["instance"] = resource.instance
-        return Action(record, "span", origin, None, time_ns or None, seq, (trace_hex, span_hex, index), synthetic)
+            return record
+        record = {"session_id": session, "action_id": action_id, "kind": kind, "status": default_status}
+        if verdict is not None and verdict.result_recorded:
+            record["result"] = None
+        return record
 
     def _field_order(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """The fields of ``names`` copied as they are, in the contract's order (records read the same

@@ -496,6 +496,28 @@ class EngineState(EngineStateLike):
         return state
 
 
+def malformed_violation(plan: _Plan, item: Malformed, message: str) -> Violation:
+    """The violation of a ``malformed`` rule on an item that could not become a record."""
+    service = item.extra.get("service")
+    return Violation(
+        rule=plan.id,
+        name=plan.name,
+        severity=plan.severity,
+        session_id=item.session_id,
+        action_id=item.action_id,
+        message=message,
+        violation_id=make_violation_id(plan.id, item.session_id, item.action_id, record_identity(item)),
+        time_ns=None,
+        line=item.line,
+        origin=item.origin,
+        trace_id=item.trace_id,
+        span_id=item.span_id,
+        service=service if isinstance(service, str) else "",
+        kind="",
+        tags=plan.tags,
+    )
+
+
 def _delivery_digest(key: tuple[str, str, int]) -> bytes:
     # Stable across processes (str hashes are salted) and 64 bits (plain-data safe as an int);
     # kept packed, the form the session stores it in.
@@ -949,27 +971,8 @@ class Engine:
             "meta": {"source": item.source, "line": item.line or 0, "problem": item.message},
             "lists": self._lists,
         }
-        identity = record_identity(item)
-        service = item.extra.get("service")
         for plan in self._malformed_plans:
-            violation = Violation(
-                rule=plan.id,
-                name=plan.name,
-                severity=plan.severity,
-                session_id=item.session_id,
-                action_id=item.action_id,
-                message=plan.rule.message.render(act),
-                violation_id=make_violation_id(plan.id, item.session_id, item.action_id, identity),
-                time_ns=None,
-                line=item.line,
-                origin=item.origin,
-                trace_id=item.trace_id,
-                span_id=item.span_id,
-                service=service if isinstance(service, str) else "",
-                kind="",
-                tags=plan.tags,
-            )
-            self._emit(violation, session, out)
+            self._emit(malformed_violation(plan, item, plan.rule.message.render(act)), session, out)
 
     # -- ordering ---------------------------------------------------------------------
 

@@ -49,11 +49,12 @@ from processor.evaluate.cel import (
     python_source,
 )
 from processor.evaluate.cel._codegen import facts_when_true
+from processor.evaluate.engine import malformed_violation
 from processor.evaluate.model import MessageTemplate
 from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
 from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block
 from processor.summary import EngineSummary, SessionSummary
-from processor.violations import Violation, make_violation_id
+from processor.violations import make_violation_id
 
 if TYPE_CHECKING:
     from processor.evaluate.engine import Engine, _Plan
@@ -389,21 +390,7 @@ class LogLane:
             if self._text:
                 self._write_line(plan, item.line, item.action_id, message, origin)
             else:
-                violation = Violation(
-                    rule=plan.id,
-                    name=plan.name,
-                    severity=plan.severity,
-                    session_id=item.session_id,
-                    action_id=item.action_id,
-                    message=message,
-                    violation_id=make_violation_id(
-                        plan.id, item.session_id, item.action_id, f"line:{origin}:{item.line}"
-                    ),
-                    line=item.line,
-                    origin=origin,
-                    tags=plan.tags,
-                )
-                self._add_json(violation.to_json())
+                self._add_json(malformed_violation(plan, item, message).to_json())
 
     # -- violations ---------------------------------------------------------------------
 

@@ -310,11 +310,7 @@ class SpanConverter:
             return None
         defaults = resource.defaults
         merged = {**defaults, **own} if defaults else own
-        kind = merged.get("kind") if merged else None
-        if not kind and verdict is not None:
-            kind = verdict.kind
-            if kind == "tool_call" and verdict.tool_name:
-                kind = self._classifier.classify(verdict.tool_name) or kind
+        kind = self._kind(merged, verdict)
         if not kind:
             return None
 
@@ -630,11 +626,7 @@ class SpanConverter:
 
         defaults = resource.defaults
         merged = {**defaults, **own} if defaults else own
-        kind = merged.get("kind") if merged else None
-        if not kind and verdict is not None:
-            kind = verdict.kind
-            if kind == "tool_call" and verdict.tool_name:
-                kind = self._classifier.classify(verdict.tool_name) or kind
+        kind = self._kind(merged, verdict)
         if not kind:
             problems.append("no action kind: set durable.action.kind")
 
@@ -669,6 +661,15 @@ class SpanConverter:
         if resource.instance is not None:
             record["instance"] = resource.instance
         return Action(record, "span", origin, None, time_ns or None, seq, (trace_hex, span_hex, index), synthetic)
+
+    def _kind(self, merged: dict[str, Any], verdict: Any) -> Any:
+        """The action kind: durable.action.kind, else the profile's verdict (a tool call classified by name)."""
+        kind = merged.get("kind") if merged else None
+        if not kind and verdict is not None:
+            kind = verdict.kind
+            if kind == "tool_call" and verdict.tool_name:
+                kind = self._classifier.classify(verdict.tool_name) or kind
+        return kind
 
     def _record(
         self, session: str, action_id: Any, kind: Any, *, default_status: str, merged: dict[str, Any], verdict: Any

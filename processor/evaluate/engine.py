@@ -550,24 +550,24 @@ _key_memo: dict[str, int] = {}
 _value_memo: dict[str, bytes] = {}
 
 
+def _memoized(memo: dict[str, Any], digest: Callable[[str], Any], value: str) -> Any:
+    """``digest(value)``, remembered for the next record that repeats the value (bounded)."""
+    found = memo.get(value)
+    if found is None:
+        if len(memo) >= _MEMO_MAX:
+            memo.clear()
+        found = memo[value] = digest(value)
+    return found
+
+
 def _key_of(value: Any) -> int:
     if type(value) is not str:
         return key_digest(value)
-    found = _key_memo.get(value)
-    if found is None:
-        if len(_key_memo) >= _MEMO_MAX:
-            _key_memo.clear()
-        found = _key_memo[value] = key_digest(value)
-    return found
+    return cast(int, _memoized(_key_memo, key_digest, value))
 
 
 def _digest_of(value: str) -> bytes:
-    found = _value_memo.get(value)
-    if found is None:
-        if len(_value_memo) >= _MEMO_MAX:
-            _value_memo.clear()
-        found = _value_memo[value] = value_digest(value)
-    return found
+    return cast(bytes, _memoized(_value_memo, value_digest, value))
 
 
 def _digest_kept(kept: tuple[Any, ...], at: tuple[int, ...]) -> tuple[Any, ...]:

@@ -327,17 +327,7 @@ class SpanConverter:
             action_id = f"span-{span_hex}"
         default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
         record = self._record(session, action_id, kind, default_status=default_status, merged=merged, verdict=verdict)
-        time_ns: int = span.start_time_unix_nano
-        if time_ns > INT64_MAX:
-            time_ns = 0  # as _build: past the signed 64-bit range the time is unknown
-        if time_ns:
-            record["time"] = self._format_time(time_ns)
-        record["trace_id"] = trace_hex
-        record["span_id"] = span_hex
-        if resource.service is not None:
-            record["service"] = resource.service
-        if resource.instance is not None:
-            record["instance"] = resource.instance
+        time_ns = self._place(record, span.start_time_unix_nano, trace_hex, span_hex, resource)
         action = Action(
             record,
             "span",
@@ -650,6 +640,11 @@ class SpanConverter:
         if not action_id:
             action_id = f"span-{span_hex}" if index == 0 else f"span-{span_hex}-{index}"
         record = self._record(session, action_id, kind, default_status=default_status, merged=merged, verdict=verdict)
+        time_ns = self._place(record, time_ns, trace_hex, span_hex, resource)
+        return Action(record, "span", origin, None, time_ns or None, seq, (trace_hex, span_hex, index), synthetic)
+
+    def _place(self, record: Record, time_ns: int, trace_hex: str, span_hex: str, resource: Any) -> int:
+        """Where and when the span happened, after its own fields; returns the event time (0: unknown)."""
         if time_ns > INT64_MAX:
             time_ns = 0  # OTLP times are unsigned; past the signed 64-bit range the time is unknown
         if time_ns:
@@ -660,7 +655,7 @@ class SpanConverter:
             record["service"] = resource.service
         if resource.instance is not None:
             record["instance"] = resource.instance
-        return Action(record, "span", origin, None, time_ns or None, seq, (trace_hex, span_hex, index), synthetic)
+        return time_ns
 
     def _kind(self, merged: dict[str, Any], verdict: Any) -> Any:
         """The action kind: durable.action.kind, else the profile's verdict (a tool call classified by name)."""

@@ -51,7 +51,7 @@ from processor.evaluate.cel import (
 from processor.evaluate.cel._codegen import facts_when_true
 from processor.evaluate.engine import malformed_violation
 from processor.evaluate.model import MessageTemplate
-from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
+from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Malformed
 from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import make_violation_id
@@ -65,7 +65,6 @@ log = logging.getLogger("durable_check.replay")
 _MISSING_KEPT: Final = object()
 # Action ids longer than this are remembered as a 16-byte digest (the engine's), shorter ones as themselves.
 _SHORT_ID: Final = 16
-_SPOOL_FLUSH: Final = 4096
 
 
 class LaneAborted(Exception):
@@ -85,8 +84,7 @@ class _Generated:
     plans: tuple[_Plan, ...]
     # Position -> its place in rule-id order (a record's violations are written in that order).
     rank: tuple[int, ...]
-    exact: int  # how many expressions were translated (the rest run their closures)
-    fallback: int
+    fallback: int  # conditions (and file rules) that run their closures
 
 
 class LogLane:
@@ -110,7 +108,7 @@ class LogLane:
         self._file_groups: list[dict[Any, tuple[Any, ...]]] = [{} for _ in self._file_plans]
         # A fired file rule's ``first`` map, for its message.
         self._views: dict[int, dict[str, Any]] = {}
-        self._generated = _generate(self._conditions, self._file_plans, self._malformed, self)
+        self._generated = _generate(self._conditions, self._file_plans, self)
         self._malformed_offset = len(self._generated.plans)
         helpers = {"_text": _text}
         self._malformed_messages = [_malformed_message(plan.rule.message, helpers) for plan in self._malformed]
@@ -589,7 +587,7 @@ _ALLOWED_NODES: Final = (
 )  # fmt: skip
 
 
-def _generate(conditions: list[_Plan], file_plans: list[_Plan], malformed: list[_Plan], lane: LogLane) -> _Generated:
+def _generate(conditions: list[_Plan], file_plans: list[_Plan], lane: LogLane) -> _Generated:
     context = SourceContext(maps={"record": _RECORD, "first": _FIRST}, meta=_META)
     from processor.report import printable
 
@@ -602,13 +600,12 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], malformed: list[
         "_lane": lane,
     }
     body: list[str] = []
-    exact = fallback = 0
+    fallback = 0
     for position, plan in enumerate(conditions):
         expression = plan.condition
         assert expression is not None
         code = _expression(expression, context)
         if code is not None:
-            exact += 1
             body.append(f"    if {code}:\n        hits.append({position})")
         else:
             fallback += 1
@@ -639,7 +636,6 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], malformed: list[
             helpers[f"_p{position}"] = position
             body.append(f"    _lane.file_rule(_p{position}, r, line, t, hits=hits, key=key)")
             continue
-        exact += sum(1 for code in codes if code is not None)
         condition_code, first_code, then_code = codes
         names = plan.first_names
         helpers[f"_view{position}"] = _view_maker(names)
@@ -692,7 +688,6 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], malformed: list[
             sorted(range(len(all_plans)), key=lambda position: (all_plans[position].id, position)).index(p)
             for p in range(len(all_plans))
         ),
-        exact=exact,
         fallback=fallback,
     )
 
@@ -856,11 +851,3 @@ def _str_field(record: dict[str, Any], name: str) -> str:
     value = record.get(name)
     return value if isinstance(value, str) else ""
 
-
-def describe(lane: LogLane) -> str:
-    """For the debug log: how much of the rule set runs as generated code."""
-    generated = lane._generated
-    return f"{generated.exact} expression(s) generated, {generated.fallback} condition(s) on closures"
-
-
-__all__ = ["Action", "LaneAborted", "LogLane", "describe"]

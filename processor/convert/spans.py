@@ -285,15 +285,7 @@ class SpanConverter:
                     marked = True
         if self._frameworks and not frameworks.KEYS.isdisjoint(found):
             return None
-        verdict: Verdict | None = None
-        if found:
-            telemetry_is_log = self.options.telemetry_is_log
-            for profile_verdict in self._verdicts:
-                verdict = profile_verdict(found, telemetry_is_log)
-                if verdict is not None:
-                    break
-            if verdict is not None and verdict.kind == CONTAINER:
-                verdict = None
+        verdict = self._verdict(found)
         if not (marked or verdict is not None):
             if found:
                 self._mark_session(span, own, found, resource, out)
@@ -418,15 +410,7 @@ class SpanConverter:
         else:
             own, problems, marked = {}, {}, False
 
-        verdict: Verdict | None = None
-        if found:  # every profile's verdict starts from an attribute it reads
-            telemetry_is_log = self.options.telemetry_is_log
-            for profile_verdict in self._verdicts:
-                verdict = profile_verdict(found, telemetry_is_log)
-                if verdict is not None:
-                    break
-            if verdict is not None and verdict.kind == CONTAINER:
-                verdict = None
+        verdict = self._verdict(found)
 
         reading = frameworks.NOTHING
         if self._frameworks and not frameworks.KEYS.isdisjoint(found):
@@ -642,6 +626,17 @@ class SpanConverter:
         record = self._record(session, action_id, kind, default_status=default_status, merged=merged, verdict=verdict)
         time_ns = self._place(record, time_ns, trace_hex, span_hex, resource)
         return Action(record, "span", origin, None, time_ns or None, seq, (trace_hex, span_hex, index), synthetic)
+
+    def _verdict(self, found: dict[str, Any]) -> Verdict | None:
+        """The first profile that recognises the span's attributes; a container (agent, chain) is none."""
+        if not found:  # every profile's verdict starts from an attribute it reads
+            return None
+        telemetry_is_log = self.options.telemetry_is_log
+        for profile_verdict in self._verdicts:
+            verdict = profile_verdict(found, telemetry_is_log)
+            if verdict is not None:
+                return None if verdict.kind == CONTAINER else verdict
+        return None
 
     def _place(self, record: Record, time_ns: int, trace_hex: str, span_hex: str, resource: Any) -> int:
         """Where and when the span happened, after its own fields; returns the event time (0: unknown)."""

@@ -131,6 +131,18 @@ def _has_type(value: Any, expected: FieldType) -> bool:
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
+# The Python types a parsed value of each field type may have (a bool is never a number; an
+# int of an "int" or "str|int" field must also be within 64 bits).
+PYTHON_TYPES: Final[dict[FieldType, frozenset[type]]] = {
+    "str": frozenset({str}),
+    "int": frozenset({int}),
+    "number": frozenset({int, float}),
+    "bool": frozenset({bool}),
+    "str|int": frozenset({str, int}),
+}
+_RANGED: Final = frozenset({"int", "str|int"})
+
+
 def validate_record(record: Record) -> list[str]:
     """Problems that make a record unusable, as messages that name fields, not values.
 
@@ -145,9 +157,14 @@ def validate_record(record: Record) -> list[str]:
     typed: list[tuple[int, str]] = []
     for name, value in record.items():
         expected = FIELD_TYPES.get(name)
-        if expected is None or value is None:  # unknown field, or null (a missing required one is said above)
+        if expected is None or value is None or expected == "any":  # unknown, null, or anything goes
             continue
-        if expected in ("int", "str|int") and _beyond_int64(value):
+        kind = type(value)
+        if kind in PYTHON_TYPES[expected] and (
+            kind is not int or expected not in _RANGED or INT64_MIN <= value <= INT64_MAX
+        ):
+            continue  # the common case, said without a call
+        if expected in _RANGED and _beyond_int64(value):
             problem = f"field {name} must be {_TYPE_WORDS[expected]} within the signed 64-bit range"
         elif not _has_type(value, expected):
             problem = f"field {name} must be {_TYPE_WORDS[expected]}, got {json_type_name(value)}"

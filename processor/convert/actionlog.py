@@ -7,7 +7,7 @@ ride along for the rules that want them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 import orjson
@@ -17,6 +17,7 @@ from processor.records import (
     FIELD_TYPES,
     INT64_MAX,
     INT64_MIN,
+    PYTHON_TYPES,
     REQUIRED_FIELDS,
     Action,
     Malformed,
@@ -24,17 +25,10 @@ from processor.records import (
     validate_record,
 )
 
-# The Python types orjson gives for each typed field, from the same table validate_record
-# reads: a record passes this check exactly when validate_record finds nothing.
-_PYTHON_TYPES: Final[dict[str, tuple[type, ...]]] = {
-    "str": (str,),
-    "int": (int,),
-    "number": (int, float),
-    "bool": (bool,),
-    "str|int": (str, int),
-}
+# The Python types orjson gives for each typed field, from the table validate_record reads:
+# a record passes well_formed exactly when validate_record finds nothing.
 _ACCEPTED: Final[dict[str, frozenset[type]]] = {
-    name: frozenset(_PYTHON_TYPES[kind]) for name, kind in FIELD_TYPES.items() if kind != "any"
+    name: PYTHON_TYPES[kind] for name, kind in FIELD_TYPES.items() if kind != "any"
 }
 
 
@@ -57,6 +51,58 @@ def well_formed(record: dict[str, Any]) -> bool:
     return True
 
 
+# A typed line is decoded in C by msgspec (types checked while parsing) into a struct: one
+# attribute per known field, ``UNSET`` when absent. What it accepts is a subset of what
+# ``orjson.loads`` + ``well_formed`` accept, with the same values:
+# - no field outside the known ones and those the caller names (``forbid_unknown_fields``), so
+#   every value is decoded in full, none skipped: a string must be valid UTF-8 without lone
+#   surrogates, a number must fit a double, as orjson demands;
+# - required fields are non-empty strings, typed fields their type or null (a bool is never
+#   an int, a float never an int), integers within 64 bits, as ``well_formed`` demands;
+# - a repeated key keeps its last value, as with orjson; if any of its values has the wrong
+#   type the line is refused (the general path then judges the last one).
+# One difference remains, in values nobody types: an integer beyond 64 bits inside an ``any``
+# field (``result``, a named extra) stays an int where orjson gives a float. A caller may
+# read such a field with ``has()`` only (the action-log lane checks this before using it).
+# Only lines of at most TYPED_LINE_MAX_BYTES are given to it: such a line cannot nest past
+# orjson's limit of 1,024 levels (each level takes two bytes), so both refuse the same depths
+# whatever the Python version's recursion limit.
+TYPED_LINE_MAX_BYTES: Final = 2_000
+
+
+def typed_decoder(extra_fields: Iterable[str] = ()) -> tuple[Callable[[bytes], Any], Any]:
+    """``(decode, UNSET)``: ``decode(raw)`` gives a typed line or raises ValueError or RecursionError.
+
+    ``raw`` must be at most TYPED_LINE_MAX_BYTES long (longer lines take the general path).
+    ``extra_fields``: names outside FIELD_TYPES the caller reads; they take any JSON value.
+    The struct's attributes are the known fields then the extras; an absent one is ``UNSET``,
+    a null one ``None``.
+    """
+    from typing import Annotated, Union
+
+    import msgspec
+
+    int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+    types: dict[str, Any] = {
+        "str": str,
+        "int": int64,
+        "number": Union[int64, float],  # noqa: UP007 (a runtime type expression for msgspec)
+        "bool": bool,
+        "str|int": Union[str, int64],  # noqa: UP007
+    }
+    unset = msgspec.UnsetType
+    fields: list[Any] = [(name, Annotated[str, msgspec.Meta(min_length=1)]) for name in REQUIRED_FIELDS]
+    for name, word in FIELD_TYPES.items():
+        if name in REQUIRED_FIELDS:
+            continue
+        kind = Any if word == "any" else Union[types[word], None]  # noqa: UP007
+        fields.append((name, Union[kind, unset], msgspec.UNSET))  # noqa: UP007
+    for name in sorted(set(extra_fields) - set(FIELD_TYPES)):
+        fields.append((name, Union[Any, unset], msgspec.UNSET))  # noqa: UP007
+    line_type = msgspec.defstruct("TypedLine", fields, forbid_unknown_fields=True, gc=False)
+    return msgspec.json.Decoder(line_type).decode, msgspec.UNSET
+
+
 def _id_or_empty(record: dict[str, Any], name: str) -> str:
     value = record.get(name)
     return value if isinstance(value, str) else ""
@@ -73,14 +119,28 @@ def parse_line(raw: bytes, origin: str, line: int, seq: int = 0) -> Action | Mal
     try:
         parsed = orjson.loads(stripped)
     except orjson.JSONDecodeError as exc:
-        if "UTF-8" in exc.msg:
-            message = "line is not valid UTF-8"
-        else:
-            # orjson's column counts from the stripped text; report it on the physical line.
-            column = exc.colno + (len(raw) - len(raw.lstrip()))
-            message = f"not valid JSON ({exc.msg}) at column {column}"
-        return Malformed(message, origin=origin, line=line, source="log")
+        return Malformed(_json_problem(raw, exc), origin=origin, line=line, source="log")
     return parsed_line(parsed, origin, line, seq)
+
+
+def unparsed_line(raw: bytes, error: orjson.JSONDecodeError, origin: str, line: int) -> Action | Malformed | None:
+    """``parse_line`` of a line whose ``orjson.loads(raw)`` raised ``error``: the same item, without
+    parsing again when nothing around the text is stripped (then the error is parse_line's)."""
+    stripped = raw.strip()
+    if not stripped or stripped[:1] == b"#":
+        return None
+    if len(stripped) != len(raw):
+        # Stripping may change the verdict (a form feed is no JSON whitespace) and moves columns.
+        return parse_line(raw, origin, line)
+    return Malformed(_json_problem(raw, error), origin=origin, line=line, source="log")
+
+
+def _json_problem(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    if "UTF-8" in exc.msg:
+        return "line is not valid UTF-8"
+    # orjson's column counts from the stripped text; report it on the physical line.
+    column = exc.colno + (len(raw) - len(raw.lstrip()))
+    return f"not valid JSON ({exc.msg}) at column {column}"
 
 
 def parsed_line(parsed: Any, origin: str, line: int, seq: int = 0) -> Action | Malformed:

@@ -9,7 +9,10 @@ the same rules without it:
 - the whole rule set becomes one generated Python function (``check``) and one per
   message, from the rules' checked expressions (``processor.evaluate.cel.python_source``,
   exact or refused; a refused expression runs its closure from inside ``check``);
-- a record is the dict orjson gives, validated as ``processor.convert.actionlog`` does;
+- a record is the dict orjson gives, validated as ``processor.convert.actionlog`` does; or,
+  when the rule set reads only typed fields' values (``_typed_fields``), a line with no
+  field beyond those the rules name is decoded and type-checked in one step, in C, into a
+  struct (``actionlog.typed_decoder``), and ``check`` has a twin generated for it;
 - a text report's violation lines are written as they are found, already in the
   report's order, to a spool copied out after the run; nothing per violation is kept.
 
@@ -38,21 +41,29 @@ from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 
 import orjson
 
-from processor.convert.actionlog import parse_line, parsed_line, well_formed
+from processor.convert.actionlog import (
+    TYPED_LINE_MAX_BYTES,
+    parsed_line,
+    typed_decoder,
+    unparsed_line,
+    well_formed,
+)
 from processor.convert.timefmt import parse_rfc3339
 from processor.errors import EvaluationError, InputError
 from processor.evaluate.cel import (
+    WHOLE_VALUE,
     CompiledExpression,
     FieldTyping,
     SourceContext,
     Unsupported,
     python_source,
 )
-from processor.evaluate.cel._codegen import facts_when_true
+from processor.evaluate.cel._ast import Has, Ident, Index, Literal, Node, Select
+from processor.evaluate.cel._codegen import Conjunct, conjuncts, facts_when_true, is_plain_read
 from processor.evaluate.engine import malformed_violation
 from processor.evaluate.model import MessageTemplate
 from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Malformed
-from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block
+from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block, printable
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import make_violation_id
 
@@ -65,6 +76,14 @@ log = logging.getLogger("durable_check.replay")
 _MISSING_KEPT: Final = object()
 # Action ids longer than this are remembered as a 16-byte digest (the engine's), shorter ones as themselves.
 _SHORT_ID: Final = 16
+# What the typed decoder raises for a line it does not take (the general path then reads it).
+_TYPED_REFUSED: Final = (ValueError, RecursionError)
+# Lines are read in stretches. A stretch whose valid lines the typed decoder refused this often
+# (they carry fields no rule reads) is followed by _TYPED_RETRY stretches read the general way
+# before the typed decoder is tried again: a log of such lines pays for few refusals.
+_STRETCH: Final = 1024
+_TYPED_MISS_SHARE: Final = 0.25
+_TYPED_RETRY: Final = 8
 
 
 class LaneAborted(Exception):
@@ -109,6 +128,21 @@ class LogLane:
         # A fired file rule's ``first`` map, for its message.
         self._views: dict[int, dict[str, Any]] = {}
         self._generated = _generate(self._conditions, self._file_plans, self)
+        # The twin for typed lines, when the rule set allows it (see _typed_fields).
+        self._typed: _Generated | None = None
+        self._decode: Callable[[bytes], Any] | None = None
+        extras = _typed_fields((*self._conditions, *self._file_plans))
+        if extras is not None and not self._generated.fallback:
+            decode, unset = typed_decoder(extras)
+            try:
+                self._typed = _generate(
+                    self._conditions, self._file_plans, self, typed=(frozenset(FIELD_TYPES) | extras, unset)
+                )
+            except Unsupported:
+                pass  # a message hole keeps its closure: dict records only
+            else:
+                self._decode = decode
+                self._typed_get = _typed_getter(unset)
         self._malformed_offset = len(self._generated.plans)
         helpers = {"_text": _text}
         self._malformed_messages = [_malformed_message(plan.rule.message, helpers) for plan in self._malformed]
@@ -125,7 +159,6 @@ class LogLane:
         A text report's violation lines wait in a spool for ``write_text``.
         """
         from processor.receive.files import action_line_blocks, close_input, open_input
-        from processor.report import printable
 
         options = self.engine.options
         # Session -> its actions by kind; (session or None, rule) -> violations, counted at each block's end.
@@ -195,25 +228,25 @@ class LogLane:
     def _read(self, blocks: Iterable[tuple[int, Any, bool]], origin: str) -> None:
         from processor.receive._streams import TooLong
         from processor.receive.files import DEFAULT_MAX_LINE_BYTES, too_long_line
-        from processor.report import printable
 
         loads = orjson.loads
         decode_error = orjson.JSONDecodeError
         sessions = self._sessions
-        check = self._generated.check
-        heads = self._generated.heads
-        printed = self._generated.printed
+        plain = self._generated
+        plain_check = plain.check
+        typed = self._typed
+        typed_check = typed.check if typed is not None else plain_check
+        decode = self._decode
+        typed_max = TYPED_LINE_MAX_BYTES if decode is not None else -1
         views = self._views
         conditions = len(self._conditions)
         single_text = self._text and not self._several
         single_json = not self._text
-        messages = self._generated.messages
-        plans = self._generated.plans
         objects = self._objects
         violation_json = self._violation_json
         for groups in self._file_groups:
             groups.clear()  # a file's ids are its own (log_scope: file)
-        fallback = self._generated.fallback
+        fallback = plain.fallback
         act = self._act
         meta = self._meta
         hits: list[int] = []
@@ -221,77 +254,106 @@ class LogLane:
         last_t: int | None = None
         lines = self._lines
         actions = 0
+        typed_rest = 0  # blocks left to read the general way
         for first_line, block, has_too_long in blocks:
             number = first_line - 1
-            # Counted a block at a time (Counter.update counts in C): (session, kind) per
-            # action, (session, rule) per violation.
             counts = self._counts
             width = self._width
-            for raw in block:
-                number += 1
-                if has_too_long and isinstance(raw, TooLong):
-                    self._malformed_line(
-                        Malformed(too_long_line(raw, DEFAULT_MAX_LINE_BYTES), origin=origin, line=number), origin
-                    )
-                    continue
-                try:
-                    record = loads(raw)
-                except decode_error:
-                    record = None
-                if not (type(record) is dict and well_formed(record)):
-                    # The message of a line that parsed needs no second parse; others go through parse_line.
-                    item = parse_line(raw, origin, number) if record is None else parsed_line(record, origin, number)
-                    if item is None:
+            for start in range(0, len(block), _STRETCH):
+                stretch = block[start : start + _STRETCH] if len(block) > _STRETCH else block
+                limit = typed_max if typed_rest == 0 else -1
+                typed_rest = max(0, typed_rest - 1)
+                refused = 0  # valid lines the typed decoder did not take
+                for raw in stretch:
+                    number += 1
+                    if has_too_long and isinstance(raw, TooLong):
+                        self._malformed_line(
+                            Malformed(too_long_line(raw, DEFAULT_MAX_LINE_BYTES), origin=origin, line=number), origin
+                        )
                         continue
-                    if isinstance(item, Malformed):
-                        self._malformed_line(item, origin)
-                        continue
-                    record = item.record
-                # -- a valid record --------------------------------------------------
-                when = record.get("time")
-                if type(when) is str:
-                    if when != last_when:
-                        last_when, last_t = when, parse_rfc3339(when)
-                        if last_t is not None:
-                            self._observe(last_t)
-                    t = last_t
-                else:
-                    t = None
-                session_id = record["session_id"]
-                kinds = sessions.get(session_id)
-                if kinds is None:
-                    kinds = self._new_session(session_id)
-                kind = record["kind"]
-                kinds[kind] = kinds.get(kind, 0) + 1
-                actions += 1
-                if fallback:
-                    act["record"] = record
-                    meta["line"] = number
-                    meta["time_ns"] = t or 0
-                check(record, number, t, hits)
-                if hits:
-                    if len(hits) > 1 or not (single_text or single_json):
-                        self._emit(hits, record, number, t, origin)
-                        hits.clear()
-                        continue
-                    # The common case, inline: one violation on a line.
-                    position = hits.pop()
-                    tally = counts.get(session_id)
-                    if tally is None:
-                        tally = counts[session_id] = [0] * width
-                    tally[position] += 1
-                    first = views.pop(position, None) if position >= conditions else None
-                    if single_json:
-                        message = messages[position](record, first, number, t)
-                        objects.append(violation_json(plans[position], record, number, t, origin, message))
-                        if len(objects) >= JSON_BLOCK:
-                            self._flush()
-                        continue
-                    action_id = record["action_id"]
-                    if not (action_id.isascii() and action_id.isprintable()):
-                        action_id = printable(action_id)
-                    message = printed[position](record, first, number, t)
-                    lines.append(f"line {number} [{action_id}]: {heads[position]}{message}")
+                    is_typed = tried = False
+                    if len(raw) <= limit:
+                        try:
+                            record = decode(raw)  # type: ignore[misc]
+                            is_typed = True
+                        except _TYPED_REFUSED:
+                            tried = True
+                    if is_typed:
+                        when = record.time
+                        session_id = record.session_id
+                        kind = record.kind
+                        check = typed_check
+                    else:
+                        try:
+                            record = loads(raw)
+                        except decode_error as error:
+                            record = error
+                        if not (type(record) is dict and well_formed(record)):
+                            # What a line is, parsed no second time.
+                            if isinstance(record, decode_error):
+                                item = unparsed_line(raw, record, origin, number)
+                            else:
+                                item = parsed_line(record, origin, number)
+                            if item is None:
+                                continue
+                            if isinstance(item, Malformed):
+                                self._malformed_line(item, origin)
+                                continue
+                            record = item.record
+                        refused += tried
+                        when = record.get("time")
+                        session_id = record["session_id"]
+                        kind = record["kind"]
+                        check = plain_check
+                    # -- a valid record --------------------------------------------------
+                    if type(when) is str:
+                        if when != last_when:
+                            last_when, last_t = when, parse_rfc3339(when)
+                            if last_t is not None:
+                                self._observe(last_t)
+                        t = last_t
+                    else:
+                        t = None
+                    kinds = sessions.get(session_id)
+                    if kinds is None:
+                        kinds = self._new_session(session_id)
+                    kinds[kind] = kinds.get(kind, 0) + 1
+                    actions += 1
+                    if fallback:
+                        act["record"] = record
+                        meta["line"] = number
+                        meta["time_ns"] = t or 0
+                    check(record, number, t, hits)
+                    if hits:
+                        generated = typed if is_typed else plain
+                        assert generated is not None
+                        action_id = record.action_id if is_typed else record["action_id"]
+                        if len(hits) > 1 or not (single_text or single_json):
+                            self._emit(hits, record, is_typed, session_id, action_id, number, t, origin)
+                            hits.clear()
+                            continue
+                        # The common case, inline: one violation on a line.
+                        position = hits.pop()
+                        tally = counts.get(session_id)
+                        if tally is None:
+                            tally = counts[session_id] = [0] * width
+                        tally[position] += 1
+                        first = views.pop(position, None) if position >= conditions else None
+                        if single_json:
+                            message = generated.messages[position](record, first, number, t)
+                            get = self._typed_get if is_typed else dict.get
+                            plan = generated.plans[position]
+                            objects.append(violation_json(plan, record, get, number, t, origin, message))
+                            if len(objects) >= JSON_BLOCK:
+                                self._flush()
+                            continue
+                        if not (action_id.isascii() and action_id.isprintable()):
+                            action_id = printable(action_id)
+                        message = generated.printed[position](record, first, number, t)
+                        lines.append(f"line {number} [{action_id}]: {generated.heads[position]}{message}")
+                if refused > len(stretch) * _TYPED_MISS_SHARE:
+                    # Most lines carry fields the rules do not name: read the next ones the general way.
+                    typed_rest = _TYPED_RETRY
             if lines:
                 self._flush()
         self._actions += actions
@@ -392,19 +454,20 @@ class LogLane:
 
     # -- violations ---------------------------------------------------------------------
 
-    def _emit(self, hits: list[int], record: dict[str, Any], line: int, t: int | None, origin: str) -> None:
-        """The violations of one record, written in the report's order (rule id)."""
-        generated = self._generated
-        messages = generated.messages
-        session_id = record["session_id"]
+    def _emit(  # noqa: PLR0917 (the hot path passes positions, not names)
+        self, hits: list[int], record: Any, is_typed: bool, session_id: str, action_id: str, line: int,
+        t: int | None, origin: str,
+    ) -> None:
+        """The violations of one record (a dict, or a typed line), written in the report's order (rule id)."""
+        generated = self._typed if is_typed else self._generated
+        assert generated is not None
         tally = self._counts.get(session_id)
         if tally is None:
             tally = self._counts[session_id] = [0] * self._width
         ordered = hits if len(hits) == 1 else sorted(hits, key=generated.rank.__getitem__)
         conditions = len(self._conditions)
         if self._text:
-            action_id = _printable(record["action_id"])
-            prefix = f"line {line} [{action_id}]: "
+            prefix = f"line {line} [{_printable(action_id)}]: "
             if self._several:
                 prefix = f"{_printable(origin)}: {prefix}"
             heads = generated.heads
@@ -414,15 +477,14 @@ class LogLane:
                 first = self._views.pop(position, None) if position >= conditions else None
                 self._lines.append(prefix + heads[position] + printed[position](record, first, line, t))
             return
+        get = self._typed_get if is_typed else dict.get
         for position in ordered:
             tally[position] += 1
             first = self._views.pop(position, None) if position >= conditions else None
-            message = messages[position](record, first, line, t)
-            self._add_json(self._violation_json(generated.plans[position], record, line, t, origin, message))
+            message = generated.messages[position](record, first, line, t)
+            self._add_json(self._violation_json(generated.plans[position], record, get, line, t, origin, message))
 
     def _write_line(self, plan: _Plan, line: int | None, action_id: str, message: str, origin: str) -> None:
-        from processor.report import printable
-
         prefix = f"{origin}: " if self._several and origin else ""
         self._lines.append(printable(f"{prefix}line {line} [{action_id or '-'}]: {plan.id} {plan.name}: {message}"))
 
@@ -453,11 +515,20 @@ class LogLane:
 
     @staticmethod
     def _violation_json(  # noqa: PLR0917 (the hot path passes positions, not names)
-        plan: _Plan, record: dict[str, Any], line: int, t: int | None, origin: str, message: str
+        plan: _Plan,
+        record: Any,
+        get: Callable[[Any, str], Any],
+        line: int,
+        t: int | None,
+        origin: str,
+        message: str,
     ) -> dict[str, Any]:
-        """Violation.to_json() of the engine's violation on this record, built directly."""
-        session_id = record["session_id"]
-        action_id = record["action_id"]
+        """Violation.to_json() of the engine's violation on this record, built directly.
+
+        ``get(record, field)``: the field's value or None (``dict.get``, or ``_typed_getter``'s).
+        """
+        session_id = get(record, "session_id")
+        action_id = get(record, "action_id")
         out: dict[str, Any] = {
             "violation_id": make_violation_id(plan.id, session_id, action_id, f"line:{origin}:{line}"),
             "rule": plan.id,
@@ -466,16 +537,17 @@ class LogLane:
             "session_id": session_id,
             "action_id": action_id,
             "message": message,
-            "kind": record["kind"],
+            "kind": get(record, "kind"),
             "line": line,
         }
         if origin:
             out["origin"] = origin
-        trace_id = record.get("trace_id")
+        trace_id = get(record, "trace_id")
         if type(trace_id) is str and trace_id:
             out["trace_id"] = trace_id
-            out["span_id"] = _str_field(record, "span_id")
-        service = record.get("service")
+            span_id = get(record, "span_id")
+            out["span_id"] = span_id if type(span_id) is str else ""
+        service = get(record, "service")
         if type(service) is str and service:
             out["service"] = service
         if t is not None:
@@ -587,10 +659,13 @@ _ALLOWED_NODES: Final = (
 )  # fmt: skip
 
 
-def _generate(conditions: list[_Plan], file_plans: list[_Plan], lane: LogLane) -> _Generated:
-    context = SourceContext(maps={"record": _RECORD, "first": _FIRST}, meta=_META)
-    from processor.report import printable
-
+def _generate(
+    conditions: list[_Plan], file_plans: list[_Plan], lane: LogLane, typed: tuple[frozenset[str], Any] | None = None
+) -> _Generated:
+    """The rule set as code over dict records or, with ``typed`` (the attributes and the absent
+    marker of actionlog.typed_decoder's lines), over typed lines: then every expression is
+    translated (the caller checked there is no fallback) and ``record.f`` reads ``r.f``."""
+    record = _RECORD
     helpers: dict[str, Any] = {
         "_p": _printable,
         "_Error": EvaluationError,
@@ -599,14 +674,21 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], lane: LogLane) -
         "_act": lane._act,
         "_lane": lane,
     }
+    if typed is not None:
+        attributes, helpers["_U"] = typed
+        record = FieldTyping(code="r", types=FIELD_TYPES, always=frozenset(REQUIRED_FIELDS), attributes=attributes)
+    context = SourceContext(maps={"record": record, "first": _FIRST}, meta=_META)
+
     body: list[str] = []
     fallback = 0
+    translated: list[tuple[int, list[Conjunct]]] = []
     for position, plan in enumerate(conditions):
         expression = plan.condition
         assert expression is not None
-        code = _expression(expression, context)
-        if code is not None:
-            body.append(f"    if {code}:\n        hits.append({position})")
+        terms = _conjuncts(expression, context)
+        if terms is not None:
+            if terms:  # else never true: nothing to write
+                translated.append((position, terms))
         else:
             fallback += 1
             name = f"_fn{position}"
@@ -616,8 +698,9 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], lane: LogLane) -
                 f"    try:\n        if {name}(_act) is True:\n            hits.append({position})\n"
                 f"    except _Error:\n        _lane.rule_error(_plan{position}, 'condition')"
             )
+    body.extend(_factored(translated, "    "))
     if file_plans:
-        body.append("    v = r['action_id']")
+        body.append(f"    v = {record.read('action_id')}")
         body.append(f"    key = v if len(v) <= {_SHORT_ID} else _digest(v)")
         helpers["_digest"] = _digest
         helpers["_views"] = lane._views
@@ -639,7 +722,7 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], lane: LogLane) -
         condition_code, first_code, then_code = codes
         names = plan.first_names
         helpers[f"_view{position}"] = _view_maker(names)
-        kept = "(" + "".join(f"r.get({name!r}, _M), " for name in names) + ")"
+        kept = "(" + "".join(f"{_kept_read(record, name)}, " for name in names) + ")"
         lines = [
             f"found = _g{position}.get(key)",
             "if found is not None:",
@@ -661,6 +744,8 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], lane: LogLane) -
             indent = "        "
         body.extend(indent + line for line in lines)
     source = "def check(r, line, t, hits):\n" + ("\n".join(body) if body else "    pass") + "\n"
+    if typed is not None and fallback:
+        raise Unsupported("a typed twin of a rule set that has closures")
     namespace = _compile(source, helpers, context)
     check = namespace["check"]
 
@@ -692,6 +777,121 @@ def _generate(conditions: list[_Plan], file_plans: list[_Plan], lane: LogLane) -
     )
 
 
+def _kept_read(record: FieldTyping, name: str) -> str:
+    """A kept field's value, or _M when the record lacks it (a dict's get, a typed line's _U)."""
+    if record.attributes is None:
+        return f"r.get({name!r}, _M)"
+    if name in REQUIRED_FIELDS:
+        return record.read(name)
+    read = record.read(name)
+    return f"(_M if {read} is _U else {read})"
+
+
+def _typed_fields(plans: Iterable[_Plan]) -> frozenset[str] | None:
+    """The fields outside FIELD_TYPES the rules read, when typed lines can stand for dicts; else None.
+
+    Typed lines hold only fields the rules name (so a rule reading the whole record, or a
+    field by a computed key, rules them out) and may differ from orjson's dict in one way:
+    an integer beyond 64 bits inside an untyped field (see actionlog.typed_decoder). So an
+    untyped field (``result``, or one FIELD_TYPES does not know) may only be tested with has().
+    """
+    fields: set[str] = set()
+    for plan in plans:
+        expressions = [e for e in (plan.condition, plan.first, plan.then) if e is not None]
+        expressions += [part for part in plan.rule.message.parts if not isinstance(part, str)]
+        for expression in expressions:
+            for variable, name in expression.references:
+                if variable not in ("record", "first"):
+                    continue
+                if name == WHOLE_VALUE or not name.isidentifier() or name.startswith("_"):
+                    return None
+                fields.add(name)
+            if _reads_untyped_value(expression):
+                return None
+        fields.update(plan.first_names if plan.file_scope else ())
+    return frozenset(fields - set(FIELD_TYPES))
+
+
+def _untyped(name: str) -> bool:
+    return FIELD_TYPES.get(name, "any") == "any"
+
+
+def _reads_untyped_value(expression: CompiledExpression) -> bool:
+    """Whether the expression reads the value of an untyped field of ``record`` or ``first``."""
+    if expression.tree is None:
+        return any(v in ("record", "first") and _untyped(name) for v, name in expression.references)
+    stack: list[Node] = [expression.tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Has):
+            continue  # presence only
+        operand = node.operand if isinstance(node, (Select, Index)) else None
+        if isinstance(operand, Ident) and operand.name in ("record", "first"):
+            if isinstance(node, Select) and _untyped(node.field):
+                return True
+            if isinstance(node, Index) and not (
+                isinstance(node.index, Literal) and type(node.index.value) is str and not _untyped(node.index.value)
+            ):
+                return True
+        stack.extend(node.children())
+    return False
+
+
+_NEVER: Final[list[Conjunct]] = []
+
+
+def _conjuncts(expression: CompiledExpression, context: SourceContext) -> list[Conjunct] | None:
+    """The condition's terms; [] when it is never true; None when it keeps its closure."""
+    if expression.tree is None:
+        return None
+    try:
+        terms = conjuncts(expression.tree, expression.constants, context)
+    except Unsupported:
+        return None
+    if terms is None:
+        return _NEVER
+    return terms or [Conjunct("True", "True")]
+
+
+def _factored(rules: list[tuple[int, list[Conjunct]]], indent: str) -> list[str]:
+    """``if`` statements that append each rule's position when all its terms hold.
+
+    A term several rules share and that stands alone (the skill's ``cacheable == true`` in
+    three rules, ``status == "ok"`` in two) is tested once, its rules nested under it; the
+    most shared first. Every term is total and free of effects, so the order of tests
+    changes nothing but their number. Rules within a group keep their order.
+    """
+    out: list[str] = []
+    remaining = rules
+    while remaining:
+        counts: dict[str, int] = {}
+        for _, terms in remaining:
+            for alone in {term.alone for term in terms if term.alone is not None}:
+                counts[alone] = counts.get(alone, 0) + 1
+        shared = max(counts.items(), key=lambda item: item[1], default=None)
+        if shared is None or shared[1] < 2:
+            for position, terms in remaining:
+                if terms:
+                    out.append(f"{indent}if {' and '.join(term.code for term in terms)}:")
+                    out.append(f"{indent}    hits.append({position})")
+                else:
+                    out.append(f"{indent}hits.append({position})")
+            break
+        test = shared[0]
+        group: list[tuple[int, list[Conjunct]]] = []
+        rest: list[tuple[int, list[Conjunct]]] = []
+        for position, terms in remaining:
+            index = next((i for i, term in enumerate(terms) if term.alone == test), None)
+            if index is None:
+                rest.append((position, terms))
+            else:
+                group.append((position, terms[:index] + terms[index + 1 :]))
+        out.append(f"{indent}if {test}:")
+        out.extend(_factored(group, indent + "    "))
+        remaining = rest
+    return out
+
+
 def _expression(expression: CompiledExpression, context: SourceContext) -> str | None:
     if expression.tree is None:
         return None
@@ -720,7 +920,6 @@ def _message(
     literals are escaped here, once, and only the holes' values at run time (checking a
     whole line costs more than finding and formatting the violation).
     """
-    from processor.report import printable
 
     pieces: list[str] = []
     escaped: list[str] = []
@@ -736,12 +935,14 @@ def _message(
             except Unsupported:
                 written = None
         limit = template.max_value_chars
+        if written is None and context.maps["record"].attributes is not None:
+            raise Unsupported("a message hole that runs its closure reads a dict")
         if written is None:
             name = f"_hole{position}_{index}"
             helpers[name] = _fallback_hole(part, limit, lane)
             hole = f"{name}(r, f, line, t)"
         elif written.types == frozenset({str}):
-            if written.code.count("[") == 1 and written.code.endswith("]"):  # r['field']: read twice, called rarely
+            if is_plain_read(written.code):  # r['field'] or r.field: read twice, called rarely
                 hole = f"({written.code} if len({written.code}) <= {limit} else _cut({written.code}, {limit}))"
             else:
                 hole = f"_cut({written.code}, {limit})"
@@ -807,23 +1008,34 @@ def _view_maker(names: tuple[str, ...]) -> Callable[[tuple[Any, ...]], dict[str,
 def _compile(source: str, helpers: dict[str, Any], context: SourceContext) -> dict[str, Any]:
     helpers.update(context.constants)
     tree = ast.parse(source, mode="exec")
+    record = context.maps.get("record")
     _check_source(
-        tree, set(helpers) | {"r", "f", "line", "t", "hits", "type", "str", "len", "v", "key", "found", "problem"}
+        tree,
+        set(helpers) | {"r", "f", "line", "t", "hits", "type", "str", "len", "v", "key", "found", "problem"},
+        record.attributes if record is not None and record.attributes is not None else frozenset(),
     )
     namespace: dict[str, Any] = {"__builtins__": {"type": type, "str": str, "len": len}, **helpers}
     exec(compile(tree, "<durable-check rules>", "exec"), namespace)  # noqa: S102 (checked source, see _check_source)
     return namespace
 
 
-def _check_source(tree: ast.AST, names: set[str]) -> None:
-    """Only the node types and names the generator writes: a rule cannot reach anything else."""
+def _check_source(tree: ast.AST, names: set[str], record_attributes: frozenset[str] = frozenset()) -> None:
+    """Only the node types and names the generator writes: a rule cannot reach anything else.
+
+    Attributes: the few methods the generator calls, and a typed line's fields on ``r``
+    (a msgspec struct's declared fields, data only).
+    """
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED_NODES):
             raise AssertionError(f"generated rule code has a {type(node).__name__} node")
         if isinstance(node, ast.Name) and node.id not in names:
             raise AssertionError(f"generated rule code names {node.id!r}")
         if isinstance(node, ast.Attribute) and not (
-            node.attr in ("append", "get", "rule_error", "file_rule") and isinstance(node.value, ast.Name)
+            isinstance(node.value, ast.Name)
+            and (
+                node.attr in ("append", "get", "rule_error", "file_rule")
+                or (node.value.id == "r" and node.attr in record_attributes and not node.attr.startswith("_"))
+            )
         ):
             raise AssertionError(f"generated rule code reads attribute {node.attr!r}")
 
@@ -847,7 +1059,12 @@ def _digest(action_id: str) -> bytes:
     return hashlib.blake2b(action_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-def _str_field(record: dict[str, Any], name: str) -> str:
-    value = record.get(name)
-    return value if isinstance(value, str) else ""
+def _typed_getter(unset: Any) -> Callable[[Any, str], Any]:
+    """``dict.get`` for a typed line: the field's value, None when absent."""
+
+    def get(record: Any, name: str) -> Any:
+        value = getattr(record, name)
+        return None if value is unset else value
+
+    return get
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from keyword import iskeyword
 from typing import Any, Final
 
 from processor.evaluate.cel._ast import Binary, Conditional, Has, Ident, Literal, Logic, Node, Select, Unary
@@ -68,6 +69,21 @@ class FieldTyping:
     always: frozenset[str] = frozenset()
     # Fields never null when present (a kept field of a valid record).
     nonnull_when_present: frozenset[str] = frozenset()
+    # A typed line (processor.convert.actionlog.typed_decoder) rather than a dict: these are
+    # its attributes, ``_U`` when absent; a field not listed is refused.
+    attributes: frozenset[str] | None = None
+
+    def present(self, field_name: str) -> str:
+        if self.attributes is None:
+            return f"({field_name!r} in {self.code})"
+        return f"({self.read(field_name)} is not _U)"
+
+    def read(self, field_name: str) -> str:
+        if self.attributes is None:
+            return f"{self.code}[{field_name!r}]"
+        if field_name not in self.attributes or not field_name.isidentifier() or iskeyword(field_name):
+            raise Unsupported(f"{field_name} is not an attribute of the typed line")
+        return f"{self.code}.{field_name}"
 
 
 @dataclass(frozen=True)
@@ -106,6 +122,26 @@ def python_source(
     return _Writer(constants, context).write(tree, facts)
 
 
+@dataclass(frozen=True)
+class Conjunct:
+    """One term of a condition's top-level ``&&``."""
+
+    code: str  # its source where it stands (earlier terms hold)
+    # Its source on its own (exact whatever the other terms say), when it has one: such a
+    # term may be tested before the others, or once for several rules.
+    alone: str | None
+
+
+def conjuncts(tree: Node, constants: Mapping[int, Any], context: SourceContext) -> list[Conjunct] | None:
+    """A boolean condition as its top-level ``&&`` terms (raises Unsupported); None when it is never true.
+
+    On typed lines (``record`` has attributes) ``has(record.f)`` followed in the chain by a
+    test that an absent field fails (``== <a literal other than null>``, ``in <a list>``) is
+    dropped: the absent marker compares unequal to every literal, so the test alone decides.
+    """
+    return _Writer(constants, context).conjuncts(tree)
+
+
 def facts_when_true(tree: Node, constants: Mapping[int, Any]) -> frozenset[Fact]:
     """What holds of the record once ``tree`` evaluated to true (a rule fired)."""
     return _Writer(constants, None).facts(tree)
@@ -140,6 +176,64 @@ class _Writer:
 
     # -- source -----------------------------------------------------------------------
 
+    def conjuncts(self, tree: Node) -> list[Conjunct] | None:
+        assert self.context is not None
+        terms = tree.terms if isinstance(tree, Logic) and tree.op == "&&" else (tree,)
+        dropped, decided = self.presence_decided(terms)
+        out: list[Conjunct] = []
+        known: frozenset[Fact] = frozenset()
+        for index, term in enumerate(terms):
+            value = self.static_bool(term)
+            if value is False:
+                return None
+            if value is None and index not in dropped:
+                code = self.boolean(term, known)
+                alone: str | None = code if index in decided else None
+                if alone is None:
+                    try:
+                        alone = self.boolean(term, frozenset())
+                    except Unsupported:
+                        alone = None
+                out.append(Conjunct(code, alone))
+            known |= self.facts(term)
+        return out
+
+    def presence_decided(self, terms: tuple[Node, ...]) -> tuple[set[int], set[int]]:
+        """In an ``&&`` chain on typed lines: the ``has(record.f)`` terms a later term makes
+        redundant (it fails when ``f`` is absent), and those later terms."""
+        dropped: set[int] = set()
+        decided: set[int] = set()
+        assert self.context is not None
+        record = self.context.maps.get("record")
+        if record is None or record.attributes is None:
+            return dropped, decided
+        for index, term in enumerate(terms):
+            path = _map_field(term.select) if isinstance(term, Has) else None
+            if path is None or path[0] != "record":
+                continue
+            for later in range(index + 1, len(terms)):
+                if self.fails_when_absent(terms[later], path[1]):
+                    dropped.add(index)
+                    decided.add(later)
+                    break
+        return dropped, decided
+
+    def fails_when_absent(self, node: Node, field_name: str) -> bool:
+        """``record.<field_name> == <literal, not null>`` or ``record.<field_name> in <list>``."""
+        if not isinstance(node, Binary):
+            return False
+        sides: tuple[tuple[Node, Node], ...] = ()
+        if node.op == "==":
+            sides = ((node.left, node.right), (node.right, node.left))
+        elif node.op == "in":
+            sides = ((node.left, node.right),)
+        for side, other in sides:
+            if isinstance(side, Select) and _map_field(side) == ("record", field_name):
+                literal = self.literal_of(other)
+                if literal is not _NOT_LITERAL and literal is not None:
+                    return True
+        return False
+
     def write(self, node: Node, facts: frozenset[Fact]) -> PythonSource:
         literal = self.literal_of(node)
         if literal is not _NOT_LITERAL:
@@ -150,7 +244,7 @@ class _Writer:
             path = _map_field(node.select)
             if path is None or self.context is None or path[0] not in self.context.maps:
                 raise Unsupported("has() on something other than a record map")
-            return PythonSource(f"({path[1]!r} in {self.context.maps[path[0]].code})", _BOOL)
+            return PythonSource(self.context.maps[path[0]].present(path[1]), _BOOL)
         if isinstance(node, Unary) and node.op == "!":
             operand = self.boolean(node.operand, facts)
             return PythonSource(f"(not {operand})", _BOOL)
@@ -189,7 +283,7 @@ class _Writer:
         if not present:
             raise Unsupported(f"{name}.{field_name} may be absent")
         word = typing.types.get(field_name)
-        code = f"{typing.code}[{field_name!r}]"
+        code = typing.read(field_name)
         if word is None or word == "any":
             return PythonSource(code, None)
         types = _FIELD_TYPE_SETS[word]
@@ -206,11 +300,12 @@ class _Writer:
         decisive = node.op == "||"
         codes = []
         known = facts
-        for term in node.terms:
+        dropped = self.presence_decided(node.terms)[0] if node.op == "&&" else set()
+        for index, term in enumerate(node.terms):
             value = self.static_bool(term)
             if value is decisive:
                 return PythonSource(repr(decisive), _BOOL)
-            if value is None:
+            if value is None and index not in dropped:
                 codes.append(self.boolean(term, known))
             if node.op == "&&":
                 known = known | self.facts(term)
@@ -290,7 +385,7 @@ class _Writer:
                 number = _literal(literal).code
                 if value.types is not None and bool not in value.types:
                     return PythonSource(f"({value.code} {op} {number})", _BOOL)
-                if _is_plain_read(value.code):
+                if is_plain_read(value.code):
                     if negated:
                         return PythonSource(f"(type({value.code}) is bool or {value.code} != {number})", _BOOL)
                     return PythonSource(f"(type({value.code}) is not bool and {value.code} == {number})", _BOOL)
@@ -313,7 +408,7 @@ class _Writer:
         value = self.write(node.left, facts)
         if value.types == _STR:
             return PythonSource(f"({value.code} in {name})", _BOOL)
-        if not _is_plain_read(value.code):
+        if not is_plain_read(value.code):
             raise Unsupported("in: an operand read twice")
         # A value of another type is in no list of strings (CEL's heterogeneous equality is false).
         return PythonSource(f"(type({value.code}) is str and {value.code} in {name})", _BOOL)
@@ -363,6 +458,9 @@ def _within(types: Types, allowed: frozenset[type]) -> bool:
     return types is not None and bool(types) and types <= allowed
 
 
-def _is_plain_read(code: str) -> bool:
-    """``r['field']``: reading it twice costs a lookup and cannot differ."""
-    return code.count("[") == 1 and code.endswith("]") and code[0].isidentifier()
+def is_plain_read(code: str) -> bool:
+    """``r['field']`` or ``r.field``: reading it twice costs a lookup and cannot differ."""
+    if code.count("[") == 1 and code.endswith("]") and code[0].isidentifier():
+        return True
+    variable, dot, attribute = code.partition(".")
+    return bool(dot) and variable.isidentifier() and attribute.isidentifier()

@@ -29,15 +29,28 @@ from processor.records import FIELD_TYPES, REQUIRED_FIELDS
 from tests.test_loglane import _ENV, _EXAMPLES, _both, _write
 from tests.test_skill_parity import _logs, _record
 
-_DECODE, _UNSET = typed_decoder(["prompt"])
+_DECODERS = typed_decoder(["prompt"])
+_DECODE, _OPEN, _UNSET = _DECODERS.strict, _DECODERS.lenient, _DECODERS.unset
 _DECLARED = frozenset(FIELD_TYPES) | {"prompt"}
 
 
-def _decoded(raw: bytes) -> Any:
+def _decoded(raw: bytes, decode: Any = _DECODE) -> Any:
     try:
-        return _DECODE(raw)
+        return decode(raw)
     except (ValueError, RecursionError):
         return None
+
+
+def _opened(raw: bytes) -> Any:
+    """The open decoder as the lane uses it: its line confirmed by orjson."""
+    typed = _decoded(raw, _OPEN)
+    if typed is None:
+        return None
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return typed
 
 
 def _as_orjson_gives(value: Any) -> Any:
@@ -125,13 +138,23 @@ def _edited(raw: bytes, edit: Any) -> bytes:
          edit=None)  # fmt: skip
 def test_a_typed_line_is_what_orjson_and_well_formed_give(raw: bytes, edit: Any) -> None:
     raw = _edited(raw, edit)
-    typed = _decoded(raw) if len(raw) <= TYPED_LINE_MAX_BYTES else None
-    if typed is None:
-        return  # refused: the general path reads it
-    parsed = orjson.loads(raw)  # raises if the decoder took what orjson refuses
+    if len(raw) > TYPED_LINE_MAX_BYTES:
+        return
+    strict = _decoded(raw)
+    if strict is not None:
+        parsed = orjson.loads(raw)  # raises if the decoder took what orjson refuses
+        assert set(parsed) <= _DECLARED
+        _assert_same_fields(strict, parsed)
+    opened = _opened(raw)
+    if opened is not None:
+        _assert_same_fields(opened, orjson.loads(raw))
+    elif strict is not None:
+        raise AssertionError("the open decoder refused what the strict one took")
+
+
+def _assert_same_fields(typed: Any, parsed: Any) -> None:
     assert type(parsed) is dict
     assert well_formed(parsed)
-    assert set(parsed) <= _DECLARED
     for name in _DECLARED:
         value = getattr(typed, name)
         if name not in parsed:
@@ -260,13 +283,24 @@ rules:
 """
 
 
+@pytest.mark.parametrize("stretch", [1024, 2], ids=["stretch1024", "stretch2"])
 @pytest.mark.parametrize("rules", [None, PRESENCE_RULES, VALUE_RULES], ids=["pack", "presence", "value"])
 @pytest.mark.parametrize("fmt", ["text", "json"])
-@settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=_EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(first=_mixed, second=_logs)
-def test_the_lane_on_typed_lines_gives_the_engine_report(
-    first: list[bytes], second: list[bytes], rules: str | None, fmt: str, capsys: pytest.CaptureFixture[str]
+def test_the_lane_on_typed_lines_gives_the_engine_report(  # noqa: PLR0917 (hypothesis and parameters)
+    first: list[bytes],
+    second: list[bytes],
+    rules: str | None,
+    fmt: str,
+    stretch: int,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Stretches of two lines switch between the strict and the open decoder within these logs."""
+    from processor.evaluate import loglane
+
+    monkeypatch.setattr(loglane, "_STRETCH", stretch)
     with tempfile.TemporaryDirectory() as directory:
         args = ["--pack", "durable-sessions", "--format", fmt]
         if rules is not None:
@@ -296,23 +330,29 @@ def test_typed_lines_are_used_only_where_they_cannot_differ(tmp_path: Path) -> N
     assert _lane(whole, tmp_path)._decode is None  # the whole record is read
 
 
-def test_blocks_of_lines_with_unnamed_fields_are_read_the_general_way(
+def test_stretches_of_lines_with_unnamed_fields_are_read_by_the_open_decoder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Blocks whose lines carry fields no rule names switch the typed decoder off for a while; the
-    report stays the engine's across the switches."""
+    """Stretches of lines with fields no rule names switch to the open decoder for a while (those
+    fields skipped, orjson confirming the line); the report stays the engine's across the switches."""
     from processor.evaluate import loglane
 
     tried = [0]
 
+    opened = [0]
+
     def counting(extra: Any = ()) -> Any:
-        decode, unset = typed_decoder(extra)
+        decoders = typed_decoder(extra)
 
         def count(raw: bytes) -> Any:
             tried[0] += 1
-            return decode(raw)
+            return decoders.strict(raw)
 
-        return count, unset
+        def count_open(raw: bytes) -> Any:
+            opened[0] += 1
+            return decoders.lenient(raw)
+
+        return decoders._replace(strict=count, lenient=count_open)
 
     monkeypatch.setattr(loglane, "typed_decoder", counting)
     lines = []
@@ -328,8 +368,10 @@ def test_blocks_of_lines_with_unnamed_fields_are_read_the_general_way(
     code, out, _ = _both(["--pack", "durable-sessions", log], capsys)
     assert code == 1
     assert sum(" DS001 " in line for line in out.splitlines() if line.startswith("line ")) == 31
-    # Plain blocks were decoded typed; most lines of the other blocks were not tried.
+    # The strict decoder read the plain stretches; the open one most lines of the others.
     assert 12_000 < tried[0] < 20_000
+    assert 10_000 < opened[0] < 18_000
+    assert tried[0] + opened[0] == 30_000
 
 
 def test_the_struct_decoder_is_a_msgspec_struct_without_gc() -> None:

@@ -8,7 +8,7 @@ ride along for the rules that want them).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import orjson
 
@@ -52,8 +52,8 @@ def well_formed(record: dict[str, Any]) -> bool:
 
 
 # A typed line is decoded in C by msgspec (types checked while parsing) into a struct: one
-# attribute per known field, ``UNSET`` when absent. What it accepts is a subset of what
-# ``orjson.loads`` + ``well_formed`` accept, with the same values:
+# attribute per known field, ``UNSET`` when absent. What the strict decoder accepts is a
+# subset of what ``orjson.loads`` + ``well_formed`` accept, with the same values:
 # - no field outside the known ones and those the caller names (``forbid_unknown_fields``), so
 #   every value is decoded in full, none skipped: a string must be valid UTF-8 without lone
 #   surrogates, a number must fit a double, as orjson demands;
@@ -64,18 +64,27 @@ def well_formed(record: dict[str, Any]) -> bool:
 # One difference remains, in values nobody types: an integer beyond 64 bits inside an ``any``
 # field (``result``, a named extra) stays an int where orjson gives a float. A caller may
 # read such a field with ``has()`` only (the action-log lane checks this before using it).
-# Only lines of at most TYPED_LINE_MAX_BYTES are given to it: such a line cannot nest past
-# orjson's limit of 1,024 levels (each level takes two bytes), so both refuse the same depths
+# The lenient decoder takes other fields too, skipping their values without the checks
+# above: a line it accepts is exact only once ``orjson.loads`` has accepted it as well.
+# Only lines of at most TYPED_LINE_MAX_BYTES are given to them: such a line cannot nest past
+# orjson's limit of 1,024 levels (each level takes two bytes), so all refuse the same depths
 # whatever the Python version's recursion limit.
 TYPED_LINE_MAX_BYTES: Final = 2_000
 
 
-def typed_decoder(extra_fields: Iterable[str] = ()) -> tuple[Callable[[bytes], Any], Any]:
-    """``(decode, UNSET)``: ``decode(raw)`` gives a typed line or raises ValueError or RecursionError.
+class TypedDecoders(NamedTuple):
+    """``strict(raw)`` / ``lenient(raw)`` give a typed line or raise ValueError or RecursionError."""
 
-    ``raw`` must be at most TYPED_LINE_MAX_BYTES long (longer lines take the general path).
+    strict: Callable[[bytes], Any]
+    lenient: Callable[[bytes], Any]  # exact once orjson.loads accepts the same line
+    unset: Any  # an absent field's value
+
+
+def typed_decoder(extra_fields: Iterable[str] = ()) -> TypedDecoders:
+    """Decoders of typed lines of at most TYPED_LINE_MAX_BYTES (longer lines take the general path).
+
     ``extra_fields``: names outside FIELD_TYPES the caller reads; they take any JSON value.
-    The struct's attributes are the known fields then the extras; an absent one is ``UNSET``,
+    The struct's attributes are the known fields then the extras; an absent one is ``unset``,
     a null one ``None``.
     """
     from typing import Annotated, Union
@@ -99,8 +108,10 @@ def typed_decoder(extra_fields: Iterable[str] = ()) -> tuple[Callable[[bytes], A
         fields.append((name, Union[kind, unset], msgspec.UNSET))  # noqa: UP007
     for name in sorted(set(extra_fields) - set(FIELD_TYPES)):
         fields.append((name, Union[Any, unset], msgspec.UNSET))  # noqa: UP007
-    line_type = msgspec.defstruct("TypedLine", fields, forbid_unknown_fields=True, gc=False)
-    return msgspec.json.Decoder(line_type).decode, msgspec.UNSET
+    strict = msgspec.defstruct("TypedLine", fields, forbid_unknown_fields=True, gc=False)
+    # The same attributes, the same class of value for generated code: a subclass.
+    lenient = msgspec.defstruct("OpenTypedLine", [], bases=(strict,), forbid_unknown_fields=False, gc=False)
+    return TypedDecoders(msgspec.json.Decoder(strict).decode, msgspec.json.Decoder(lenient).decode, msgspec.UNSET)
 
 
 def _id_or_empty(record: dict[str, Any], name: str) -> str:

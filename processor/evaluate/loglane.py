@@ -78,9 +78,10 @@ _MISSING_KEPT: Final = object()
 _SHORT_ID: Final = 16
 # What the typed decoder raises for a line it does not take (the general path then reads it).
 _TYPED_REFUSED: Final = (ValueError, RecursionError)
-# Lines are read in stretches. A stretch whose valid lines the typed decoder refused this often
-# (they carry fields no rule reads) is followed by _TYPED_RETRY stretches read the general way
-# before the typed decoder is tried again: a log of such lines pays for few refusals.
+# Lines are read in stretches. A stretch whose valid lines the strict typed decoder refused
+# this often (they carry fields no rule reads) is followed by _TYPED_RETRY stretches read by
+# the open one (those fields skipped, the line confirmed by orjson) before the strict one is
+# tried again: a log of such lines pays for few refusals and no Python type check.
 _STRETCH: Final = 1024
 _TYPED_MISS_SHARE: Final = 0.25
 _TYPED_RETRY: Final = 8
@@ -131,18 +132,20 @@ class LogLane:
         # The twin for typed lines, when the rule set allows it (see _typed_fields).
         self._typed: _Generated | None = None
         self._decode: Callable[[bytes], Any] | None = None
+        self._open_decode: Callable[[bytes], Any] | None = None
         extras = _typed_fields((*self._conditions, *self._file_plans))
         if extras is not None and not self._generated.fallback:
-            decode, unset = typed_decoder(extras)
+            decoders = typed_decoder(extras)
             try:
                 self._typed = _generate(
-                    self._conditions, self._file_plans, self, typed=(frozenset(FIELD_TYPES) | extras, unset)
+                    self._conditions, self._file_plans, self, typed=(frozenset(FIELD_TYPES) | extras, decoders.unset)
                 )
             except Unsupported:
                 pass  # a message hole keeps its closure: dict records only
             else:
-                self._decode = decode
-                self._typed_get = _typed_getter(unset)
+                self._decode = decoders.strict
+                self._open_decode = _confirmed(decoders.lenient)
+                self._typed_get = _typed_getter(decoders.unset)
         self._malformed_offset = len(self._generated.plans)
         helpers = {"_text": _text}
         self._malformed_messages = [_malformed_message(plan.rule.message, helpers) for plan in self._malformed]
@@ -236,8 +239,9 @@ class LogLane:
         plain_check = plain.check
         typed = self._typed
         typed_check = typed.check if typed is not None else plain_check
-        decode = self._decode
-        typed_max = TYPED_LINE_MAX_BYTES if decode is not None else -1
+        strict = self._decode
+        open_decode = self._open_decode if strict is not None else None
+        typed_max = TYPED_LINE_MAX_BYTES if strict is not None else -1
         views = self._views
         conditions = len(self._conditions)
         single_text = self._text and not self._several
@@ -254,16 +258,16 @@ class LogLane:
         last_t: int | None = None
         lines = self._lines
         actions = 0
-        typed_rest = 0  # blocks left to read the general way
+        typed_rest = 0  # stretches left to read with the open decoder
         for first_line, block, has_too_long in blocks:
             number = first_line - 1
             counts = self._counts
             width = self._width
             for start in range(0, len(block), _STRETCH):
                 stretch = block[start : start + _STRETCH] if len(block) > _STRETCH else block
-                limit = typed_max if typed_rest == 0 else -1
+                decode = strict if typed_rest == 0 else open_decode
                 typed_rest = max(0, typed_rest - 1)
-                refused = 0  # valid lines the typed decoder did not take
+                refused = 0  # valid lines the strict decoder did not take
                 for raw in stretch:
                     number += 1
                     if has_too_long and isinstance(raw, TooLong):
@@ -272,7 +276,7 @@ class LogLane:
                         )
                         continue
                     is_typed = tried = False
-                    if len(raw) <= limit:
+                    if len(raw) <= typed_max:
                         try:
                             record = decode(raw)  # type: ignore[misc]
                             is_typed = True
@@ -351,8 +355,8 @@ class LogLane:
                             action_id = printable(action_id)
                         message = generated.printed[position](record, first, number, t)
                         lines.append(f"line {number} [{action_id}]: {generated.heads[position]}{message}")
-                if refused > len(stretch) * _TYPED_MISS_SHARE:
-                    # Most lines carry fields the rules do not name: read the next ones the general way.
+                if decode is strict and refused > len(stretch) * _TYPED_MISS_SHARE:
+                    # Most lines carry fields the rules do not name: the open decoder reads the next ones.
                     typed_rest = _TYPED_RETRY
             if lines:
                 self._flush()
@@ -1057,6 +1061,18 @@ def _cut(text: str, limit: int) -> str:
 
 def _digest(action_id: str) -> bytes:
     return hashlib.blake2b(action_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _confirmed(lenient: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """The lenient typed decoder, its line confirmed by orjson (which checks the fields it skipped)."""
+    loads = orjson.loads
+
+    def decode(raw: bytes) -> Any:
+        typed = lenient(raw)
+        loads(raw)  # raises orjson.JSONDecodeError, a ValueError, where orjson refuses the line
+        return typed
+
+    return decode
 
 
 def _typed_getter(unset: Any) -> Callable[[Any, str], Any]:

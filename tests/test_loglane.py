@@ -264,6 +264,8 @@ _EXPRESSIONS = [
     "meta.source == 'span' && record.attempts > 5",
     "has(record.wait_timeout_s) && record.wait_timeout_s != null && record.wait_timeout_s >= 1.5",
     "record.kind == 'payment' ? has(record.idempotency_key) : record.status == 'ok'",
+    "meta.source == 'span' ? record.attempts > 1 : record.kind in lists.kinds",
+    "meta.source == 'log' ? has(record.retryable) && record.retryable == true : record.attempts > 1",
 ]
 
 

@@ -203,6 +203,8 @@ _EXPRESSIONS = [
     "has(record.max_attempts) && record.max_attempts == 2 && has(record.attempts) && record.attempts != null"
     " && record.attempts > record.max_attempts",
     "record.kind == 'payment' ? has(record.idempotency_key) : record.status == 'ok'",
+    "meta.source == 'span' ? record.attempts > 1 : record.kind in lists.kinds",
+    "meta.source == 'log' ? has(record.retryable) && record.retryable == true : record.attempts > 1",
 ]
 _field_values = st.one_of(st.none(), st.booleans(), st.integers(-2, 3), st.floats(0, 3, allow_nan=False),
                           st.sampled_from(["", "x", "llm_call", "payment"]))  # fmt: skip

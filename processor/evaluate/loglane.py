@@ -54,6 +54,7 @@ from processor.evaluate.cel import (
     WHOLE_VALUE,
     CompiledExpression,
     FieldTyping,
+    PythonSource,
     SourceContext,
     Unsupported,
     python_source,
@@ -147,8 +148,16 @@ class LogLane:
                 self._open_decode = _confirmed(decoders.lenient)
                 self._typed_get = _typed_getter(decoders.unset)
         self._malformed_offset = len(self._generated.plans)
-        helpers = {"_text": _text}
+        helpers = {"_text": _text, "_p": _printable}
+        # Per malformed rule: its message and the message as the text report prints it, or
+        # None when a hole needs the template's renderer; its "<id> <name>: " (escaped).
         self._malformed_messages = [_malformed_message(plan.rule.message, helpers) for plan in self._malformed]
+        self._malformed_heads = [printable(f"{plan.id} {plan.name}: ") for plan in self._malformed]
+        # Per file rule: its groups and what a malformed line's id opens them with.
+        self._file_missing = [
+            (groups, (_MISSING_KEPT,) * len(plan.first_names))
+            for groups, plan in zip(self._file_groups, self._file_plans, strict=True)
+        ]
         self._width = self._malformed_offset + len(self._malformed)
         # The report's violations, in its order, until written: text lines, or blocks of JSON.
         self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed by close())
@@ -435,26 +444,35 @@ class LogLane:
     def _malformed_line(self, item: Malformed, origin: str) -> None:
         """DS000 on a line, and its action id opens the file groups (Engine._submit_malformed)."""
         self._malformed_count += 1
-        if item.action_id:
-            value = item.action_id
-            key = value if len(value) <= _SHORT_ID else _digest(value)
-            for position, plan in enumerate(self._file_plans):
-                self._file_groups[position].setdefault(key, (_MISSING_KEPT,) * len(plan.first_names))
+        action_id = item.action_id
+        if action_id:
+            key = action_id if len(action_id) <= _SHORT_ID else _digest(action_id)
+            for groups, missing in self._file_missing:
+                groups.setdefault(key, missing)
         session_id = item.session_id or None
         if session_id is not None and session_id not in self._sessions:
             self._new_session(session_id)
+        tally = self._counts.get(session_id)
+        if tally is None:
+            tally = self._counts[session_id] = [0] * self._width
+        line = item.line or 0
         for index, plan in enumerate(self._malformed):
-            render = self._malformed_messages[index]
-            if render is not None:
-                message = render(item.message, item.line or 0)
+            tally[self._malformed_offset + index] += 1
+            messages = self._malformed_messages[index]
+            if messages is not None:
+                message, printed = messages[0](item.message, line), messages[1](item.message, line)
             else:
-                meta = {"source": "log", "line": item.line or 0, "problem": item.message}
+                meta = {"source": "log", "line": line, "problem": item.message}
                 message = plan.rule.message.render({"meta": meta, "lists": self._act["lists"]})
-            self._tally(session_id, self._malformed_offset + index)
-            if self._text:
-                self._write_line(plan, item.line, item.action_id, message, origin)
-            else:
+                printed = printable(message)
+            if not self._text:
                 self._add_json(malformed_violation(plan, item, message).to_json())
+                continue
+            # The line as the engine's text report prints it: escaped part by part (the
+            # rule's literals when generated, the values here), not scanned whole.
+            prefix = f"{_printable(origin)}: " if self._several and origin else ""
+            shown = _printable(action_id) if action_id else "-"
+            self._lines.append(f"{prefix}line {item.line} [{shown}]: {self._malformed_heads[index]}{printed}")
 
     # -- violations ---------------------------------------------------------------------
 
@@ -487,16 +505,6 @@ class LogLane:
             first = self._views.pop(position, None) if position >= conditions else None
             message = generated.messages[position](record, first, line, t)
             self._add_json(self._violation_json(generated.plans[position], record, get, line, t, origin, message))
-
-    def _write_line(self, plan: _Plan, line: int | None, action_id: str, message: str, origin: str) -> None:
-        prefix = f"{origin}: " if self._several and origin else ""
-        self._lines.append(printable(f"{prefix}line {line} [{action_id or '-'}]: {plan.id} {plan.name}: {message}"))
-
-    def _tally(self, session_id: str | None, position: int) -> None:
-        tally = self._counts.get(session_id)
-        if tally is None:
-            tally = self._counts[session_id] = [0] * self._width
-        tally[position] += 1
 
     def _add_json(self, violation: dict[str, Any]) -> None:
         self._objects.append(violation)
@@ -941,6 +949,11 @@ def _message(
         limit = template.max_value_chars
         if written is None and context.maps["record"].attributes is not None:
             raise Unsupported("a message hole that runs its closure reads a dict")
+        constant = _constant_text(written, limit)
+        if constant is not None:  # a hole fixed for the lane (meta.source folded): text now
+            pieces.append(repr(constant))
+            escaped.append(repr(printable(constant)))
+            continue
         if written is None:
             name = f"_hole{position}_{index}"
             helpers[name] = _fallback_hole(part, limit, lane)
@@ -961,13 +974,18 @@ def _message(
     return namespace["m"], namespace["p"]
 
 
-def _malformed_message(template: MessageTemplate, helpers: dict[str, Any]) -> Callable[[str, int], str] | None:
-    """A ``malformed`` rule's message as ``m(problem, line)``; None when a hole is not translated (render runs)."""
+def _malformed_message(
+    template: MessageTemplate, helpers: dict[str, Any]
+) -> tuple[Callable[[str, int], str], Callable[[str, int], str]] | None:
+    """A ``malformed`` rule's message as ``m(problem, line)`` and ``p(problem, line)`` (escaped
+    for a terminal, as ``_message``'s); None when a hole is not translated (render runs)."""
     context = SourceContext(maps={}, meta=_MALFORMED_META)
     pieces: list[str] = []
+    escaped: list[str] = []
     for part in template.parts:
         if isinstance(part, str):
             pieces.append(repr(part))
+            escaped.append(repr(printable(part)))
             continue
         if part.tree is None:
             return None
@@ -975,10 +993,32 @@ def _malformed_message(template: MessageTemplate, helpers: dict[str, Any]) -> Ca
             written = python_source(part.tree, part.constants, context)
         except Unsupported:
             return None
-        pieces.append(f"_text({written.code}, {template.max_value_chars})")
+        constant = _constant_text(written, template.max_value_chars)
+        if constant is not None:
+            pieces.append(repr(constant))
+            escaped.append(repr(printable(constant)))
+            continue
+        hole = f"_text({written.code}, {template.max_value_chars})"
+        pieces.append(hole)
+        escaped.append(f"_p({hole})")
     body = " + ".join(pieces) if pieces else "''"
-    namespace = _compile(f"def m(problem, line):\n    return {body}\n", helpers, context)
-    return namespace["m"]  # type: ignore[no-any-return]
+    body_escaped = " + ".join(escaped) if escaped else "''"
+    source = f"def m(problem, line):\n    return {body}\ndef p(problem, line):\n    return {body_escaped}\n"
+    namespace = _compile(source, helpers, context)
+    return namespace["m"], namespace["p"]
+
+
+def _constant_text(written: PythonSource | None, limit: int) -> str | None:
+    """The text of a hole whose source is a single literal (``_text`` of it), else None."""
+    if written is None:
+        return None
+    try:
+        tree = ast.parse(written.code, mode="eval")
+    except SyntaxError:
+        return None
+    if not isinstance(tree.body, ast.Constant) or type(tree.body.value) not in (str, int, float, bool, type(None)):
+        return None
+    return _text(tree.body.value, limit)
 
 
 def _fallback_hole(part: CompiledExpression, limit: int, lane: LogLane) -> Callable[..., str]:

@@ -253,6 +253,11 @@ class _Writer:
         if isinstance(node, Binary):
             return self.binary(node, facts)
         if isinstance(node, Conditional):
+            fixed = self.static_bool(node.cond)  # meta.source == "span": known for the whole lane
+            if fixed is True:
+                return self.write(node.then, facts | self.facts(node.cond))
+            if fixed is False:
+                return self.write(node.otherwise, facts)
             condition = self.boolean(node.cond, facts)
             then = self.write(node.then, facts | self.facts(node.cond))
             otherwise = self.write(node.otherwise, facts)

@@ -10,9 +10,12 @@ the same rules without it:
   message, from the rules' checked expressions (``processor.evaluate.cel.python_source``,
   exact or refused; a refused expression runs its closure from inside ``check``);
 - a record is the dict orjson gives, validated as ``processor.convert.actionlog`` does; or,
-  when the rule set reads only typed fields' values (``_typed_fields``), a line with no
-  field beyond those the rules name is decoded and type-checked in one step, in C, into a
-  struct (``actionlog.typed_decoder``), and ``check`` has a twin generated for it;
+  when the rule set reads only typed fields' values (``_typed_fields``), a typed line: the
+  line decoded and type-checked in one step, in C, into a struct (``actionlog.typed_decoder``;
+  the strict decoder takes no field the rules do not name, the open one skips such fields
+  and orjson confirms the line), read by a twin of ``check`` generated over attributes;
+- a condition's top-level terms that several rules share are tested once, the rules
+  nested under them (``_factored``);
 - a text report's violation lines are written as they are found, already in the
   report's order, to a spool copied out after the run; nothing per violation is kept.
 

@@ -40,7 +40,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, Final, TextIO
+from typing import IO, TYPE_CHECKING, Any, Final, NamedTuple, TextIO
 
 import orjson
 
@@ -252,7 +252,7 @@ class LogLane:
         typed = self._typed
         typed_check = typed.check if typed is not None else plain_check
         strict = self._decode
-        open_decode = self._open_decode if strict is not None else None
+        open_decode = self._open_decode
         typed_max = TYPED_LINE_MAX_BYTES if strict is not None else -1
         views = self._views
         conditions = len(self._conditions)
@@ -455,9 +455,7 @@ class LogLane:
         session_id = item.session_id or None
         if session_id is not None and session_id not in self._sessions:
             self._new_session(session_id)
-        tally = self._counts.get(session_id)
-        if tally is None:
-            tally = self._counts[session_id] = [0] * self._width
+        tally = self._tally(session_id)
         line = item.line or 0
         for index, plan in enumerate(self._malformed):
             tally[self._malformed_offset + index] += 1
@@ -486,9 +484,7 @@ class LogLane:
         """The violations of one record (a dict, or a typed line), written in the report's order (rule id)."""
         generated = self._typed if is_typed else self._generated
         assert generated is not None
-        tally = self._counts.get(session_id)
-        if tally is None:
-            tally = self._counts[session_id] = [0] * self._width
+        tally = self._tally(session_id)
         ordered = hits if len(hits) == 1 else sorted(hits, key=generated.rank.__getitem__)
         conditions = len(self._conditions)
         if self._text:
@@ -508,6 +504,15 @@ class LogLane:
             first = self._views.pop(position, None) if position >= conditions else None
             message = generated.messages[position](record, first, line, t)
             self._add_json(self._violation_json(generated.plans[position], record, get, line, t, origin, message))
+
+    def _tally(self, session_id: str | None) -> list[int]:
+        """The session's violations per rule position (None: malformed lines without a session).
+
+        _read keeps its own copy of this inline: it runs once per violation there."""
+        tally = self._counts.get(session_id)
+        if tally is None:
+            tally = self._counts[session_id] = [0] * self._width
+        return tally
 
     def _add_json(self, violation: dict[str, Any]) -> None:
         self._objects.append(violation)
@@ -928,20 +933,11 @@ def _message(
     position: int,
     lane: LogLane,
 ) -> tuple[Callable[..., str], Callable[..., str]]:
-    """``m(r, f, line, t)``: the message; ``p(...)``: the same for a terminal, control characters escaped.
-
-    The text report escapes what it prints (processor.report.printable). Escaping is per
-    character, so the escaped literals and escaped holes make the escaped message: the
-    literals are escaped here, once, and only the holes' values at run time (checking a
-    whole line costs more than finding and formatting the violation).
-    """
-
-    pieces: list[str] = []
-    escaped: list[str] = []
+    """``m(r, f, line, t)``: the message; ``p(...)``: the same for a terminal (see _message_functions)."""
+    parts: list[str | _Hole] = []
     for index, part in enumerate(template.parts):
         if isinstance(part, str):
-            pieces.append(repr(part))
-            escaped.append(repr(printable(part)))
+            parts.append(part)
             continue
         written = None
         if part.tree is not None:
@@ -954,27 +950,20 @@ def _message(
             raise Unsupported("a message hole that runs its closure reads a dict")
         constant = _constant_text(written, limit)
         if constant is not None:  # a hole fixed for the lane (meta.source folded): text now
-            pieces.append(repr(constant))
-            escaped.append(repr(printable(constant)))
-            continue
-        if written is None:
+            parts.append(constant)
+        elif written is None:
             name = f"_hole{position}_{index}"
             helpers[name] = _fallback_hole(part, limit, lane)
-            hole = f"{name}(r, f, line, t)"
+            parts.append(_Hole(f"{name}(r, f, line, t)"))
         elif written.types == frozenset({str}):
             if is_plain_read(written.code):  # r['field'] or r.field: read twice, called rarely
-                hole = f"({written.code} if len({written.code}) <= {limit} else _cut({written.code}, {limit}))"
+                code = written.code
+                parts.append(_Hole(f"({code} if len({code}) <= {limit} else _cut({code}, {limit}))"))
             else:
-                hole = f"_cut({written.code}, {limit})"
+                parts.append(_Hole(f"_cut({written.code}, {limit})"))
         else:
-            hole = f"_text({written.code}, {limit})"
-        pieces.append(hole)
-        escaped.append(f"_p({hole})")
-    body = " + ".join(pieces) if pieces else "''"
-    body_escaped = " + ".join(escaped) if escaped else "''"
-    source = f"def m(r, f, line, t):\n    return {body}\ndef p(r, f, line, t):\n    return {body_escaped}\n"
-    namespace = _compile(source, helpers, context)
-    return namespace["m"], namespace["p"]
+            parts.append(_Hole(f"_text({written.code}, {limit})"))
+    return _message_functions(parts, "r, f, line, t", helpers, context)
 
 
 def _malformed_message(
@@ -983,12 +972,10 @@ def _malformed_message(
     """A ``malformed`` rule's message as ``m(problem, line)`` and ``p(problem, line)`` (escaped
     for a terminal, as ``_message``'s); None when a hole is not translated (render runs)."""
     context = SourceContext(maps={}, meta=_MALFORMED_META)
-    pieces: list[str] = []
-    escaped: list[str] = []
+    parts: list[str | _Hole] = []
     for part in template.parts:
         if isinstance(part, str):
-            pieces.append(repr(part))
-            escaped.append(repr(printable(part)))
+            parts.append(part)
             continue
         if part.tree is None:
             return None
@@ -997,16 +984,31 @@ def _malformed_message(
         except Unsupported:
             return None
         constant = _constant_text(written, template.max_value_chars)
-        if constant is not None:
-            pieces.append(repr(constant))
-            escaped.append(repr(printable(constant)))
-            continue
-        hole = f"_text({written.code}, {template.max_value_chars})"
-        pieces.append(hole)
-        escaped.append(f"_p({hole})")
+        parts.append(constant if constant is not None else _Hole(f"_text({written.code}, {template.max_value_chars})"))
+    return _message_functions(parts, "problem, line", helpers, context)
+
+
+class _Hole(NamedTuple):
+    """A message hole's source (a str at run time); a plain str in a message's parts is text."""
+
+    code: str
+
+
+def _message_functions(
+    parts: list[str | _Hole], params: str, helpers: dict[str, Any], context: SourceContext
+) -> tuple[Callable[..., str], Callable[..., str]]:
+    """``m(<params>)``: the message; ``p(<params>)``: the same for a terminal, control characters escaped.
+
+    The text report escapes what it prints (processor.report.printable). Escaping is per
+    character, so the escaped texts and escaped holes make the escaped message: the texts
+    are escaped here, once, and only the holes' values at run time (checking a whole line
+    costs more than finding and formatting the violation).
+    """
+    pieces = [part.code if isinstance(part, _Hole) else repr(part) for part in parts]
+    escaped = [f"_p({part.code})" if isinstance(part, _Hole) else repr(printable(part)) for part in parts]
     body = " + ".join(pieces) if pieces else "''"
     body_escaped = " + ".join(escaped) if escaped else "''"
-    source = f"def m(problem, line):\n    return {body}\ndef p(problem, line):\n    return {body_escaped}\n"
+    source = f"def m({params}):\n    return {body}\ndef p({params}):\n    return {body_escaped}\n"
     namespace = _compile(source, helpers, context)
     return namespace["m"], namespace["p"]
 

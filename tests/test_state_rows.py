@@ -80,6 +80,12 @@ def _session_with_groups(groups: int) -> SessionState:
     return session
 
 
+def _past_whole_writes(session: SessionState) -> None:
+    """Delivery keys enough to take the session past the size below which it is written whole."""
+    for d in range(600):
+        session.check_seen(2**62 + d, 10_000)
+
+
 def _deltas(store: SqlStateStore) -> list[dict[str, Any]]:
     return [orjson.loads(bytes(r[0])) for r in store.query("SELECT body FROM session_deltas ORDER BY touched")]
 
@@ -87,9 +93,7 @@ def _deltas(store: SqlStateStore) -> list[dict[str, Any]]:
 def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Callable[[], SqlStateStore]) -> None:
     store = open_store()
     session = _session_with_groups(30)
-    # Past the size below which a session is written whole at every commit.
-    for d in range(600):
-        session.check_seen(2**62 + d, 10_000)
+    _past_whole_writes(session)
     store.save_session(session, SCHEMA)
     store.commit()
     assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (1, 0, 30)
@@ -160,8 +164,7 @@ def test_a_small_session_is_written_whole_until_it_grows(open_store: Callable[[]
 def test_deltas_are_folded_into_a_new_base_once_they_outweigh_it(open_store: Callable[[], SqlStateStore]) -> None:
     store = open_store()
     session = _session_with_groups(3)
-    for d in range(600):
-        session.check_seen(2**62 + d, 10_000)
+    _past_whole_writes(session)
     store.save_session(session, SCHEMA)
     store.commit()
     assert store.rows_written.bases == 1

@@ -91,7 +91,8 @@ def typed_decoder(extra_fields: Iterable[str] = ()) -> TypedDecoders:
 
     import msgspec
 
-    int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+    # A value, not a type alias: annotated so that a compiled build (mypyc) keeps it as one.
+    int64: Any = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
     types: dict[str, Any] = {
         "str": str,
         "int": int64,

@@ -84,6 +84,9 @@ _BINARY_IMPLS: Final[dict[str, Callable[[Any, Any], Any]]] = {
     "%": modulo,
 }
 _BOOL_BUILTINS: Final = frozenset({"startsWith", "endsWith", "contains", "matches", "bool"})
+# Kinds of literal an equality compares by value alone (a module constant: mypyc cannot compile
+# the starred tuple this was written in place).
+_LITERAL_EQUALITY_KINDS: Final = frozenset({"string", "bool", "null_type", *NUMERIC_KINDS})
 
 
 class Code:
@@ -568,7 +571,7 @@ class Compiler:
         for variable, literal in ((left, right), (right, left)):
             literal_kind = kind(literal.value) if literal.is_const else None
             is_nan = type(literal.value) is float and literal.value != literal.value
-            if literal_kind in ("string", "bool", "null_type", *NUMERIC_KINDS) and not is_nan:
+            if literal_kind in _LITERAL_EQUALITY_KINDS and not is_nan:
                 return _literal_equality(variable, literal.value, negated)
         left_fn, right_fn = left.fn, right.fn
         if left.path is not None and right.path is not None:

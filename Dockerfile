@@ -13,10 +13,19 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # Build stage: the project wheel and every dependency wheel, resolved once.
 FROM ${PYTHON_IMAGE} AS builder
+# The project wheel compiles its hot modules to C (hatch_build.py): a C compiler in this
+# stage only, and a build that fails rather than falling back to pure Python. Debian's
+# release fixes the compiler's version; pinning a point release would break the build at
+# the next security update of the base image.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_NO_CACHE_DIR=1
+    PIP_NO_CACHE_DIR=1 \
+    DURABLE_CHECK_COMPILE=require
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md hatch_build.py ./
 COPY processor ./processor
 COPY exporters ./exporters
 COPY rules ./rules

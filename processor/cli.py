@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from processor._build import build_kind
 from processor._version import __version__
 from processor.errors import DurableCheckError
 
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="durable-check",
         description="Tell whether long-lived agent sessions would survive a crash.",
     )
-    parser.add_argument("--version", action="version", version=f"durable-check {__version__}")
+    parser.add_argument("--version", action="version", version=f"durable-check {__version__} ({build_kind()})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for name in _COMMAND_MODULES:

@@ -1,0 +1,84 @@
+"""The two builds: the hot modules compiled by mypyc (a regular wheel) or pure Python.
+
+CI runs the whole suite on each (``.ci/run`` places the compiled wheel's extensions beside
+their sources and sets ``DURABLE_CHECK_EXPECT_BUILD``); these tests check that the build
+under test is the one asked for, whole, and that the wheel build hook (hatch_build.py)
+decides as documented.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from processor._build import build_kind, is_source_module
+from processor.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _compiled_modules() -> list[str]:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    paths = config["tool"]["hatch"]["build"]["targets"]["wheel"]["hooks"]["custom"]["compiled-modules"]
+    return [path.removesuffix(".py").replace("/", ".") for path in paths]
+
+
+def test_the_compiled_modules_are_compiled_together_or_not_at_all() -> None:
+    modules = _compiled_modules()
+    assert "processor.evaluate.engine" in modules
+    from_source = {name: is_source_module(name) for name in modules}
+    assert len(set(from_source.values())) == 1, f"a partly compiled build: {from_source}"
+    expected = os.environ.get("DURABLE_CHECK_EXPECT_BUILD")
+    if expected is not None:
+        assert build_kind() == expected
+
+
+def test_version_names_the_build(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out.strip().endswith(f"({build_kind()})")
+
+
+def _wheel(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    # -v: pip shows the build backend's output (the hook's message) only when verbose.
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "--wheel-dir", str(tmp_path),
+         str(REPO)],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **env},
+    )
+
+
+def _tag(tmp_path: Path) -> str:
+    (wheel,) = tmp_path.glob("durable_check-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = (n for n in archive.namelist() if n.endswith(".dist-info/WHEEL"))
+        text = archive.read(name).decode()
+        assert not [n for n in archive.namelist() if n.endswith(".so")]
+    return next(line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("Tag: "))
+
+
+def test_a_wheel_asked_not_to_compile_is_pure_python(tmp_path: Path) -> None:
+    result = _wheel(tmp_path, DURABLE_CHECK_COMPILE="0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _tag(tmp_path) == "py3-none-any"
+
+
+def test_without_a_c_compiler_the_wheel_is_pure_python_and_says_so(tmp_path: Path) -> None:
+    result = _wheel(tmp_path, CC="/nonexistent/cc")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _tag(tmp_path) == "py3-none-any"
+    assert "no C compiler (/nonexistent/cc); building a pure-Python wheel" in result.stdout + result.stderr
+
+
+def test_a_required_compile_without_a_compiler_fails_naming_why(tmp_path: Path) -> None:
+    result = _wheel(tmp_path, CC="/nonexistent/cc", DURABLE_CHECK_COMPILE="require")
+    assert result.returncode != 0
+    assert "DURABLE_CHECK_COMPILE=require, but no C compiler (/nonexistent/cc)" in result.stdout + result.stderr
+    assert not list(tmp_path.glob("*.whl"))

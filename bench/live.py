@@ -37,6 +37,7 @@ from typing import Any, Final
 
 import orjson
 
+from bench import build
 from bench.generate import flaws_path, read_otlp_stream
 from bench.peak import vm_hwm_kib
 
@@ -317,7 +318,7 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
         config = load_config(str(config_path))
         held_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
         stderr_path = work / "serve.stderr"
-        env = {**os.environ, "PYTHONPATH": str(_ROOT), "PYTHONPYCACHEPREFIX": str(_ROOT / "bench" / "out" / "pycache")}
+        env = build.child_env(PYTHONPYCACHEPREFIX=str(_ROOT / "bench" / "out" / "pycache"))
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         with stderr_path.open("wb") as stderr:
             serve = subprocess.Popen(

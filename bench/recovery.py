@@ -17,7 +17,6 @@ evaluated, spans in the reordering window), starts serve again on it and measure
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sqlite3
 import subprocess
@@ -29,6 +28,7 @@ from typing import Any, Final
 
 import orjson
 
+from bench import build
 from bench.live import _metric, free_port
 from processor.state.bufferrows import live_entries
 
@@ -74,7 +74,7 @@ def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
             f"  prometheus:\n    endpoint: 127.0.0.1:{metrics_port}\n",
             encoding="utf-8",
         )
-        env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+        env = build.child_env()
         command = [sys.executable, "-m", "processor.cli", "serve", "--config", str(config_path)]
         log = (work / "serve.stderr").open("ab")
         serve = subprocess.Popen(command, cwd=work, stdout=subprocess.DEVNULL, stderr=log, env=env)

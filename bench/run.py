@@ -51,7 +51,7 @@ from typing import Any, Final
 
 import orjson
 
-from bench import generate, live
+from bench import build, generate, live
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 OUT: Final = ROOT / "bench" / "out"
@@ -125,7 +125,7 @@ class Measured:
 
 def child_env() -> dict[str, str]:
     """The environment of measured processes: compiled bytecode is cached (under bench/out/), as in an install."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONPYCACHEPREFIX": str(OUT / "pycache")}
+    env = build.child_env(PYTHONPYCACHEPREFIX=str(OUT / "pycache"))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
@@ -620,6 +620,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs of each measurement (median reported)")
     parser.add_argument("--skip", action="append", default=[], choices=SECTIONS, help="leave a section out")
     parser.add_argument("--out", type=Path, default=OUT / "results.json")
+    parser.add_argument("--build", choices=build.BUILDS, default="source",
+                        help="measure the checkout's sources (as an editable install runs them) or its compiled wheel")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -631,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"[{time.monotonic() - started:7.1f}s] {message}\n")
         sys.stderr.flush()
 
+    build.select(args.build, log)
     rows: list[Row] = []
     details: dict[str, Any] = {"load_average": {}}
     for name in SECTIONS:
@@ -646,7 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "size": args.size,
         "runs": args.runs,
         "machine": machine(),
-        "command": f"python -m bench --size {args.size} --runs {args.runs}",
+        "command": f"python -m bench --size {args.size} --runs {args.runs} --build {args.build}",
+        "build": args.build,
         "elapsed_s": time.monotonic() - started,
         "rows": [row.as_dict() for row in rows],
         "markdown": render_markdown(rows),

@@ -42,6 +42,8 @@ from backports.zstd import compress as zstd_compress
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from bench import build
+
 ROOT: Final = Path(__file__).resolve().parents[1]
 TOKEN: Final = "soak-token-0123456789"
 PROTOBUF: Final = {"Content-Type": "application/x-protobuf"}
@@ -152,7 +154,7 @@ class Soak:
         config = self.workdir / "serve.yaml"
         config.write_text(yaml.safe_dump(self.config()), encoding="utf-8")
         log = (self.workdir / "serve.log").open("ab")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = build.child_env()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "processor.cli", "serve", "--config", str(config)],
             cwd=self.workdir, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,

@@ -36,6 +36,7 @@ from typing import Any, Final
 
 import orjson
 
+from bench import build
 from bench.live import EXPORT_METHOD, Tailer, _metric, _wait_ready, free_port
 
 _ROOT: Final = Path(__file__).resolve().parents[1]
@@ -237,7 +238,7 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
         )
         config = load_config(str(config_path))
         lateness_s = float(config.evaluate.allowed_lateness)
-        env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+        env = build.child_env()
         stderr_path = work / "serve.stderr"
         with stderr_path.open("wb") as stderr:
             serve = subprocess.Popen([sys.executable, "-m", "processor.cli", "serve", "--config", str(config_path)],
@@ -329,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--svg", type=Path, help="write the memory curve here")
     parser.add_argument("--max-remembered-entries", type=int, help="evaluate.max_remembered_entries (default: serve's)")
+    parser.add_argument("--build", choices=build.BUILDS, default="source",
+                        help="run serve from the checkout's sources or its compiled wheel (bench.build)")
     args = parser.parse_args(argv)
+    build.select(args.build, lambda message: sys.stderr.write(message + "\n"))
     result = run(args.rate, args.duration, warmup_s=args.warmup, active=args.active,
                  session_spans=args.session_spans, idle=args.idle, sample_s=args.sample,
                  spans_per_request=args.spans_per_request, max_remembered_entries=args.max_remembered_entries)

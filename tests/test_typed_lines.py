@@ -26,6 +26,7 @@ from processor.evaluate.engine import Engine
 from processor.evaluate.loglane import _META, LogLane
 from processor.evaluate.rulefmt import load_rules
 from processor.records import FIELD_TYPES, REQUIRED_FIELDS
+from processor.report import Report
 from tests.test_loglane import _ENV, _EXAMPLES, _both, _write
 from tests.test_skill_parity import _logs, _record
 
@@ -302,7 +303,15 @@ def test_the_lane_on_typed_lines_gives_the_engine_report(  # noqa: PLR0917 (hypo
     """Stretches of two lines switch between the strict and the open decoder within these logs."""
     from processor.evaluate import loglane
 
-    monkeypatch.setattr(loglane, "_STRETCH", stretch)
+    # replay makes its lane from the module's LogLane when it runs: this one reads shorter stretches.
+    made = loglane.LogLane
+
+    def with_stretch(engine: Engine, fmt: str = "text") -> LogLane:
+        lane = made(engine, fmt)
+        lane.stretch = stretch
+        return lane
+
+    monkeypatch.setattr(loglane, "LogLane", with_stretch)
     with tempfile.TemporaryDirectory() as directory:
         args = ["--pack", "durable-sessions", "--format", fmt]
         if rules is not None:
@@ -333,30 +342,10 @@ def test_typed_lines_are_used_only_where_they_cannot_differ(tmp_path: Path) -> N
 
 
 def test_stretches_of_lines_with_unnamed_fields_are_read_by_the_open_decoder(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Stretches of lines with fields no rule names switch to the open decoder for a while (those
     fields skipped, orjson confirming the line); the report stays the engine's across the switches."""
-    from processor.evaluate import loglane
-
-    tried = [0]
-
-    opened = [0]
-
-    def counting(extra: Any = ()) -> Any:
-        decoders = typed_decoder(extra)
-
-        def count(raw: bytes) -> Any:
-            tried[0] += 1
-            return decoders.strict(raw)
-
-        def count_open(raw: bytes) -> Any:
-            opened[0] += 1
-            return decoders.lenient(raw)
-
-        return decoders._replace(strict=count, lenient=count_open)
-
-    monkeypatch.setattr(loglane, "typed_decoder", counting)
     lines = []
     for n in range(30_000):
         record: dict[str, Any] = {"session_id": f"s{n % 50}", "action_id": f"a{n}", "kind": "llm_call",
@@ -371,9 +360,14 @@ def test_stretches_of_lines_with_unnamed_fields_are_read_by_the_open_decoder(
     assert code == 1
     assert sum(" DS001 " in line for line in out.splitlines() if line.startswith("line ")) == 31
     # The strict decoder read the plain stretches; the open one most lines of the others.
-    assert 12_000 < tried[0] < 20_000
-    assert 10_000 < opened[0] < 18_000
-    assert tried[0] + opened[0] == 30_000
+    lane = _lane(None, tmp_path)
+    try:
+        lane.run([log], None, Report(inputs=[log]), set())
+    finally:
+        lane.close()
+    assert 12_000 < lane.stretch_lines["strict"] < 20_000
+    assert 10_000 < lane.stretch_lines["open"] < 18_000
+    assert lane.stretch_lines["strict"] + lane.stretch_lines["open"] == 30_000
 
 
 def test_the_struct_decoder_is_a_msgspec_struct_without_gc() -> None:

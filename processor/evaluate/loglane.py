@@ -119,6 +119,10 @@ class LogLane:
         self._text = fmt == "text"
         # Violation lines of a text report, in the report's order, until write_text.
         self._spool: IO[str] | None = None
+        # Lines per stretch (the unit of the switch between typed decoders), and the lines read in
+        # stretches of each typed decoder (a diagnostic: how often lines carried fields no rule names).
+        self.stretch = _STRETCH
+        self.stretch_lines: dict[str, int] = {"strict": 0, "open": 0}
         self.reason = _unsupported_reason(engine)
         self.usable = self.reason is None
         if not self.usable:
@@ -271,12 +275,13 @@ class LogLane:
         lines = self._lines
         actions = 0
         typed_rest = 0  # stretches left to read with the open decoder
+        stretch_length = self.stretch
         for first_line, block, has_too_long in blocks:
             number = first_line - 1
             counts = self._counts
             width = self._width
-            for start in range(0, len(block), _STRETCH):
-                stretch = block[start : start + _STRETCH] if len(block) > _STRETCH else block
+            for start in range(0, len(block), stretch_length):
+                stretch = block[start : start + stretch_length] if len(block) > stretch_length else block
                 decode = strict if typed_rest == 0 else open_decode
                 typed_rest = max(0, typed_rest - 1)
                 refused = 0  # valid lines the strict decoder did not take
@@ -367,6 +372,8 @@ class LogLane:
                             action_id = printable(action_id)
                         message = generated.printed[position](record, first, number, t)
                         lines.append(f"line {number} [{action_id}]: {generated.heads[position]}{message}")
+                if decode is not None:
+                    self.stretch_lines["strict" if decode is strict else "open"] += len(stretch)
                 if decode is strict and refused > len(stretch) * _TYPED_MISS_SHARE:
                     # Most lines carry fields the rules do not name: the open decoder reads the next ones.
                     typed_rest = _TYPED_RETRY

@@ -175,16 +175,25 @@ def test_usual_spans_take_the_one_pass_path() -> None:
             )
         ]
     )
-
-    class Counting(SpanConverter):
-        general = 0
-
-        def _convert_span(self, *args: Any, **kwargs: Any) -> bool:
-            Counting.general += 1
-            return super()._convert_span(*args, **kwargs)
-
-    result = Counting().convert_serialized(message.SerializeToString(), "wire")
-    assert Counting.general == 0
+    result = SpanConverter().convert_serialized(message.SerializeToString(), "wire")
+    assert result.spans_general == 0
     assert [a.record["kind"] for a in result.actions] == ["llm_call", "payment"]
     assert [a.record["status"] for a in result.actions] == ["ok", "error"]
     assert result.spans_not_actions == 1
+
+    # A problem to tell (an attempt count that is text) is the general path's to say.
+    problem = _request(
+        [
+            (
+                {"service.name": "agent"},
+                [
+                    {"attributes": {"durable.action.kind": "payment", "durable.retry.attempt": "two",
+                                    "durable.session.id": "s-1"},
+                     "trace_id": bytes.fromhex("5b8efff798038103d269b633813fc60c"),
+                     "span_id": bytes.fromhex("00f067aa0ba902ba"), "parent": b"", "start": 1, "error": False,
+                     "event": None},
+                ],
+            )
+        ]
+    )
+    assert SpanConverter().convert_serialized(problem.SerializeToString(), "wire").spans_general == 1

@@ -87,6 +87,8 @@ class ConvertResult:
     rejected: list[Malformed] = field(default_factory=list)
     spans_total: int = 0
     spans_not_actions: int = 0
+    # Spans read by the general path rather than the one-pass reading of usual spans (a diagnostic).
+    spans_general: int = 0
     # Actions, rejected spans and session marks together, in span order (what a file reader yields).
     items: list[Action | Malformed | SessionMark] = field(default_factory=list)
     # ResourceSpans in the request (a message holding none holds nothing of OTLP).
@@ -400,6 +402,7 @@ class SpanConverter:
         span comes from MappedTracesData (its attributes are a map); ``events``: false
         when no span of the request can hold a ``durable.action`` event.
         """
+        out.spans_general += 1
         own: dict[str, Any]
         problems: dict[str, str]
         if self._durable_keys and not self._durable_keys.isdisjoint(found):

@@ -31,6 +31,8 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 _SWITCH = "DURABLE_CHECK_COMPILE"
+# auto (compile when possible), 0 (never), require (compile or fail); the usual spellings of yes and no.
+_SWITCH_VALUES = frozenset({"auto", "1", "yes", "true", "on", "0", "no", "false", "off", "require"})
 
 
 class CompiledModules(BuildHookInterface):
@@ -39,7 +41,9 @@ class CompiledModules(BuildHookInterface):
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         if self.target_name != "wheel" or version == "editable":
             return
-        switch = os.environ.get(_SWITCH, "auto").strip().lower()
+        switch = os.environ.get(_SWITCH, "auto").strip().lower() or "auto"
+        if switch not in _SWITCH_VALUES:
+            raise RuntimeError(f"{_SWITCH}={switch!r}: expected one of {', '.join(sorted(_SWITCH_VALUES))}")
         if switch in ("0", "no", "false", "off"):
             return
         modules = list(self.config.get("compiled-modules", []))

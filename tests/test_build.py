@@ -82,3 +82,9 @@ def test_a_required_compile_without_a_compiler_fails_naming_why(tmp_path: Path) 
     assert result.returncode != 0
     assert "DURABLE_CHECK_COMPILE=require, but no C compiler (/nonexistent/cc)" in result.stdout + result.stderr
     assert not list(tmp_path.glob("*.whl"))
+
+
+def test_an_unknown_compile_switch_is_refused_naming_it(tmp_path: Path) -> None:
+    result = _wheel(tmp_path, DURABLE_CHECK_COMPILE="sometimes")
+    assert result.returncode != 0
+    assert "DURABLE_CHECK_COMPILE='sometimes': expected one of" in result.stdout + result.stderr

@@ -87,8 +87,9 @@ class ConvertResult:
     rejected: list[Malformed] = field(default_factory=list)
     spans_total: int = 0
     spans_not_actions: int = 0
-    # Spans read by the general path rather than the one-pass reading of usual spans (a diagnostic).
-    spans_general: int = 0
+    # Spans read by the general path rather than the one-pass reading of usual spans: a diagnostic
+    # of how the result was reached, not part of it (results compare equal whatever the path).
+    spans_general: int = field(default=0, compare=False)
     # Actions, rejected spans and session marks together, in span order (what a file reader yields).
     items: list[Action | Malformed | SessionMark] = field(default_factory=list)
     # ResourceSpans in the request (a message holding none holds nothing of OTLP).

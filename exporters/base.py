@@ -32,6 +32,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import httpx
 
+from exporters._recent import RecentIds
 from processor.convert.timefmt import format_rfc3339
 from processor.records import Action
 from processor.telemetry import Telemetry
@@ -191,12 +192,12 @@ class RetryQueue(Generic[T]):
         self._max_queue = max(1, max_queue)
         self._batch_size = max(1, batch_size)
         self._policy = policy
-        self._remember_sent = remember_sent
         # Told the keys of every delivered batch (serve's outbox deletes its pending rows then).
         self._delivery_listeners: list[Callable[[list[str]], None]] = []
         self._queued: OrderedDict[str, T] = OrderedDict()
         self._in_flight: dict[str, T] = {}
-        self._sent: OrderedDict[str, None] = OrderedDict()
+        # Keys delivered recently, fixed-size (exporters._recent): memory known at start, whatever the traffic.
+        self._sent = RecentIds(remember_sent) if remember_sent > 0 else None
         self._cond = threading.Condition()
         self._stopping = False
         self._abandoned = False
@@ -229,7 +230,7 @@ class RetryQueue(Generic[T]):
             else:
                 for item in items:
                     k = self._key(item)
-                    if k in self._sent:
+                    if self._sent is not None and k in self._sent:
                         # Delivered before: confirm it again (an outbox handing it over again waits for that).
                         already_sent.append(k)
                         continue
@@ -359,14 +360,11 @@ class RetryQueue(Generic[T]):
         tell_listeners(self._delivery_listeners, keys, self.exporter)
 
     def _remember(self, keys: list[str]) -> None:
-        if self._remember_sent <= 0:
+        if self._sent is None:
             return
         with self._cond:
             for k in keys:
-                self._sent[k] = None
-                self._sent.move_to_end(k)
-            while len(self._sent) > self._remember_sent:
-                self._sent.popitem(last=False)
+                self._sent.add(k)
 
 
 class QueuedViolationExporter(ABC):

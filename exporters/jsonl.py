@@ -8,7 +8,8 @@ the ids once their lines are in the file, so serve's outbox keeps a violation wh
 write failed until a retry wrote it, across a crash too.
 
 A violation is written once: the ids written are remembered (the newest
-``dedupe_ids`` of them), and on start they are read back from the file and its rotated
+``dedupe_ids`` of them, as fixed-size digests in memory allocated at start: see
+``exporters._recent``), and on start they are read back from the file and its rotated
 copies, so a restart that re-evaluates the same input does not write a line twice.
 """
 
@@ -21,13 +22,13 @@ import os
 import stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 
+from exporters._recent import RecentIds
 from exporters.base import (
     RetryPolicy,
     RetryQueue,
@@ -362,7 +363,6 @@ class JsonlExporter:
     def __init__(self, cfg: JsonlConfig, telemetry: Telemetry) -> None:
         self._telemetry = telemetry
         self._lock = threading.Lock()
-        self._dedupe_ids = cfg.dedupe_ids
         self._file = RotatingFile(Path(cfg.path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
                                   on_removed=self._rotated_away("violations"),
                                   hold_max_size=cfg.rotate_hold_max_size)
@@ -370,7 +370,7 @@ class JsonlExporter:
         if cfg.actions and cfg.actions_path:
             self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
                                               on_removed=self._rotated_away("actions"))
-        self._written: OrderedDict[str, None] = OrderedDict()
+        self._written = RecentIds(cfg.dedupe_ids)
         self._settled_at = time.monotonic()
         try:
             self._load_written()
@@ -433,10 +433,7 @@ class JsonlExporter:
                 self._remember(vid)
 
     def _remember(self, violation_id: str) -> None:
-        self._written[violation_id] = None
-        self._written.move_to_end(violation_id)
-        if len(self._written) > self._dedupe_ids:
-            self._written.popitem(last=False)
+        self._written.add(violation_id)
 
     def add_delivery_listener(self, listener: Callable[[Sequence[str]], None]) -> None:
         """``listener(violation_ids)`` once their lines are in the file (and synced, per ``fsync``),
@@ -452,9 +449,15 @@ class JsonlExporter:
         """Violations whose write failed, waiting for a retry."""
         return self._queue
 
-    def written_ids(self) -> frozenset[str]:
+    def has_written(self, violation_id: str) -> bool:
+        """Whether ``violation_id`` is among the ids remembered as written."""
         with self._lock:
-            return frozenset(self._written)
+            return violation_id in self._written
+
+    def written_count(self) -> int:
+        """How many written ids are remembered (at most ``dedupe_ids``)."""
+        with self._lock:
+            return len(self._written)
 
     # -- writing -----------------------------------------------------------------------
 

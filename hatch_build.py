@@ -3,8 +3,9 @@
 The modules listed under ``compiled-modules`` in ``pyproject.toml`` (the engine, the span
 converter, the session state, the reports: the code every record goes through) are
 plain, strictly typed Python; mypyc turns each into a C extension that runs the same
-code 1.35-1.83x faster on the engine's paths (docs/performance.md, "The compiled build"). The sources stay in
-the wheel beside them and stay the reference: the test suite runs on both builds.
+code 1.35-1.83x faster on the engine's paths (docs/performance.md, "The compiled
+build"). The sources stay in the wheel beside them and stay the reference: the test
+suite runs on both builds.
 
 When it compiles:
 - a regular wheel (``pip install .``, ``pip wheel .``, the container): yes, when a C

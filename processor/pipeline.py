@@ -47,6 +47,10 @@ class Pipeline:
         # The operator view's read model (processor.state.views), fed with every batch when set.
         self.views: ViewStore | None = None
 
+    def forget_ended_sessions(self) -> int:
+        """Let go of what the pipeline keeps per session (the caps' counts) for sessions the engine ended."""
+        return self.caps.retain(self.engine.holds_session) if self.caps is not None else 0
+
     def process(self, items: Iterable[Action | Malformed | SessionMark]) -> list[Violation]:
         """Evaluate a batch (one OTLP request, or a chunk of a file) and export what it found."""
         violations = self.evaluate(items)

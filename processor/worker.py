@@ -779,6 +779,8 @@ class EvaluatorWorker:
 
     def _tick(self) -> None:
         self._ticks += 1
+        if self._ticks % _PRUNE_EVERY_TICKS == 0:
+            self._pipeline.forget_ended_sessions()
         if self._sql is None:
             self._tick_in_memory()
             return

@@ -1901,6 +1901,10 @@ class Engine:
         """Groups and delivery keys held across all sessions, as of the last batch."""
         return self._entries_total
 
+    def holds_session(self, session_id: str) -> bool:
+        """Whether the session is open here (not yet expired, evicted or ended)."""
+        return session_id in self._sessions
+
     def _flush_telemetry(self, tm: Telemetry) -> None:
         for (kind, status, service), n in self._tm_actions.items():
             tm.actions.labels(kind=kind, status=status, service=service).inc(n)

@@ -10,10 +10,9 @@ so what it costs is known at start and does not move afterwards:
 
 - a ring of the digests in the order they were added, whose oldest is forgotten when
   a new one needs its place;
-- a hash table (linear probing, at most half full, slots by Python's seeded hash of the
-  digest) of the same digests, for membership;
-  a forgotten digest is removed by shifting the entries after it back, so no tombstones
-  accumulate.
+- a hash table of the same digests, for membership: linear probing, at most half full,
+  slots by Python's seeded hash of the digest; a forgotten digest is removed by
+  shifting the entries after it back, so no tombstones accumulate.
 
 An id of 32 hex digits (what :func:`processor.violations.make_violation_id` gives) is
 its own digest; any other string is digested with BLAKE2b (16 bytes). Two different ids
@@ -54,10 +53,6 @@ class RecentIds:
         self._ring = bytearray(capacity * _WIDTH)
         self._next = 0  # the ring slot the next id goes to (the oldest one's, once full)
         self._count = 0
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
 
     @property
     def nbytes(self) -> int:

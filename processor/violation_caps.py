@@ -11,10 +11,11 @@ saying how many were held back and where, and the rest are counted in
   counts live in memory, for at most ``max_sessions`` sessions (the least recently
   seen is forgotten first), and start again after a restart. A session the engine no
   longer holds (expired, evicted) has its count forgotten at the next :meth:`retain`
-  (serve calls it once a minute): a session id seen again after that is a new session
-  to the engine, and to the cap. Without it, serve with sessions coming and going kept
-  a count for each of the last ``max_sessions`` sessions it had ever seen (about 20 MiB
-  at 100,000, filled over the first half hour of its soak).
+  (serve calls it every 60 ticks: a minute at the default ``tick_interval``); a session
+  id seen again after that is a new session to the engine, and to the cap. Without it,
+  serve with sessions coming and going kept a count for each of the last
+  ``max_sessions`` sessions it had ever seen (about 20 MiB at 100,000, filled over the
+  first half hour of its soak).
 - Per request: of what one request (or one clock tick) raised, at most
   ``per_request`` are reported, then one summary for the request.
 

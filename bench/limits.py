@@ -23,14 +23,18 @@ import json
 import sys
 from typing import Final
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+# The skill's loop imports nothing but json, as the skill's checker does: protobuf and the
+# converter's profiles (about 0.1 s of start-up) are imported by the OTLP loop alone.
 
-from processor.convert.profiles import DURABLE_BY_KEY, GENAI, OPENINFERENCE, OPENLLMETRY, RESOURCE_KEYS
-
-# The keys SpanConverter's default options look at: nothing else is read.
-WANTED: Final = frozenset(DURABLE_BY_KEY) | GENAI.keys | OPENINFERENCE.keys | OPENLLMETRY.keys
-RESOURCE_WANTED: Final = WANTED | RESOURCE_KEYS
 _READ_SIZE: Final = 1 << 20
+
+
+def wanted_keys() -> tuple[frozenset[str], frozenset[str]]:
+    """The span and resource attribute keys SpanConverter's default options look at: nothing else is read."""
+    from processor.convert.profiles import DURABLE_BY_KEY, GENAI, OPENINFERENCE, OPENLLMETRY, RESOURCE_KEYS
+
+    wanted = frozenset(DURABLE_BY_KEY) | GENAI.keys | OPENINFERENCE.keys | OPENLLMETRY.keys
+    return wanted, wanted | RESOURCE_KEYS
 
 
 def _value(any_value: object) -> object:
@@ -51,13 +55,15 @@ def otlp_payloads(path: str) -> object:
 
 
 def otlp_limit(path: str) -> int:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
     spans = 0
-    wanted = WANTED
+    wanted, resource_wanted = wanted_keys()
     for payload in otlp_payloads(path):  # type: ignore[attr-defined]
         request = ExportTraceServiceRequest.FromString(payload)
         for resource_spans in request.resource_spans:
             for kv in resource_spans.resource.attributes:
-                if kv.key in RESOURCE_WANTED:
+                if kv.key in resource_wanted:
                     _value(kv.value)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:

@@ -133,10 +133,12 @@ def run(args: argparse.Namespace) -> int:
     )
     pipeline = Pipeline(Engine(ruleset, options))
     if args.format in ("html", "junit"):
-        from processor.state.views import MemoryViews
+        from processor.state.views import MAX_ACTIONS_PER_SESSION, MemoryViews, ViewBounds
 
-        # These reports list sessions and their timelines: replay keeps the view's read model.
-        pipeline.views = MemoryViews(max_sessions=ev_max_sessions(config))
+        # These reports list sessions and their timelines: replay keeps the view's read model, for
+        # every session the engine may hold (the action bound is then never the one reached).
+        sessions = ev_max_sessions(config)
+        pipeline.views = MemoryViews(ViewBounds(sessions, sessions * MAX_ACTIONS_PER_SESSION))
 
     report = Report(inputs=list(args.inputs))
     said: set[str] = set()

@@ -50,6 +50,9 @@ _15S = Duration(15.0)
 _1S = Duration(1.0)
 _5S = Duration(5.0)
 _7D = Duration(7 * 86400.0)
+# ui.max_actions holds at least one session's story as the view keeps it
+# (processor.state.views.MAX_ACTIONS_PER_SESSION, not imported: replay's start-up does not need the view).
+ONE_SESSION_ACTIONS = 500
 _200MS = Duration(0.2)
 _500MS = Duration(0.5)
 _30S = Duration(30.0)
@@ -395,15 +398,24 @@ class UiConfig:
 
     ``trace_url``: a link to a session's trace in your tracing UI; ``{trace_id}`` is
     replaced (for example ``http://127.0.0.1:16686/trace/{trace_id}`` for Jaeger).
+    ``max_sessions`` and ``max_actions``: the most sessions and action rows the view's read
+    model keeps, whatever the traffic; past either the least recently active sessions leave.
     """
 
     endpoint: str = ""
     tls: TLSConfig = field(default_factory=TLSConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     trace_url: str = ""
+    max_sessions: int = 100_000
+    max_actions: int = 1_000_000
 
     def validate(self, path: str) -> list[Problem]:
         problems = check_endpoint(self.endpoint, f"{path}.endpoint") if self.endpoint else []
+        if self.max_sessions < 1:
+            problems.append(Problem(f"{path}.max_sessions", "must be at least 1"))
+        if self.max_actions < ONE_SESSION_ACTIONS:
+            problems.append(Problem(f"{path}.max_actions",
+                                    f"must be at least {ONE_SESSION_ACTIONS} (one session's kept actions)"))
         if self.trace_url:
             if "{trace_id}" not in self.trace_url:
                 problems.append(Problem(f"{path}.trace_url", "must contain {trace_id}"))

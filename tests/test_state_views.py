@@ -15,7 +15,7 @@ from processor.state.postgres import PostgresStore
 from processor.state.sqlite import SqliteStore
 from processor.state.sqlstore import SqlStateStore
 from processor.state.sqlviews import views_for
-from processor.state.views import MAX_ACTIONS_PER_SESSION, MemoryViews, ViewStore, ViolationFilter
+from processor.state.views import MAX_ACTIONS_PER_SESSION, MemoryViews, ViewBounds, ViewStore, ViolationFilter
 from processor.violations import Violation
 from tests.pg_support import fresh_database, pg_server
 
@@ -56,22 +56,33 @@ class Fixture:
             self.views.record(actions, list(violations), time.time_ns())
 
 
-@pytest.fixture(params=["memory", "sqlite", "postgres"])
-def model(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fixture]:
-    if request.param == "memory":
-        yield Fixture(MemoryViews(), None)
+def _fixture(backend: str, request: pytest.FixtureRequest, tmp_path: Path, **bounded: Any) -> Iterator[Fixture]:
+    if backend == "memory":
+        yield Fixture(MemoryViews(bounded.get("bounds", ViewBounds())), None)
         return
     store: SqlStateStore
-    if request.param == "sqlite":
+    if backend == "sqlite":
         store = SqliteStore(tmp_path / "state.db", synchronous="normal")
     else:
         store = PostgresStore(fresh_database(request.getfixturevalue("pg_server")), replica_id="r1")
-    views = views_for(store)
+    views = views_for(store, **bounded)
     try:
         yield Fixture(views, store)
     finally:
         views.close()
         store.close()
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def model(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fixture]:
+    yield from _fixture(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def small(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fixture]:
+    """A read model that keeps 3 sessions and 10 action rows, pruned at every write on SQL stores."""
+    yield from _fixture(request.param, request, tmp_path, bounds=ViewBounds(max_sessions=3, max_actions=10),
+                        prune_every=1)
 
 
 def waiting(f: Fixture, now_ns: int = T0 + 10 * S) -> list[tuple[str, str, bool]]:
@@ -206,3 +217,64 @@ def test_idle_sessions_leave_the_sql_view_after_the_retention(tmp_path: Path) ->
     finally:
         views.close()
         store.close()
+
+
+def _stories(f: Fixture, sessions: list[str]) -> dict[str, int]:
+    """The sessions the view still knows, with their kept action rows."""
+    return {s: len(f.views.session_actions(s)) for s in sessions if f.views.session(s) is not None}
+
+
+def test_the_view_keeps_its_bounds_whatever_the_traffic(small: Fixture) -> None:
+    names = [f"s{i}" for i in range(6)]
+    small.record([act("s0", "w", "approval", "awaiting_approval", 0, wait_timeout_s=60)],
+                 [violation("s0", "w", "DS106", "warning")])
+    for i in range(1, 5):
+        small.record([act(names[i], f"a{j}", "tool_call", at_s=10 * i + j) for j in range(4)])
+    # Five sessions: the sessions bound (3) sends the two least recently active away, then the
+    # action bound (10 rows) the oldest of the three left (12 rows): s3 and s4 stay, whole.
+    assert _stories(small, names) == {"s3": 4, "s4": 4}
+    assert small.views.session_count() == 2
+    assert waiting(small, T0 + 100 * S) == []  # s0's wait left with it
+    # Its violation stays: violations are bounded apart (the newest MAX_VIOLATIONS) and counted since the start.
+    assert [v["session_id"] for v in small.views.violations(ViolationFilter(), 10, 0)] == ["s0"]
+    assert small.views.rule_counts() == [{"rule": "DS106", "severity": "warning", "count": 1}]
+    # A session seen again is active again: it stays, and the least recently active one goes.
+    small.record([act("s3", "later", "tool_call", at_s=60)])
+    assert _stories(small, names) == {"s3": 5, "s4": 4}
+    small.record([act("s5", f"x{j}", "tool_call", at_s=61 + j) for j in range(2)])
+    assert _stories(small, names) == {"s3": 5, "s5": 2}
+    small.record([act("s4", "back", "tool_call", at_s=70)])
+    assert _stories(small, names) == {"s3": 5, "s4": 1, "s5": 2}  # a new story: its old rows are gone
+
+
+def test_the_view_bounds_are_configuration_checked_with_their_paths() -> None:
+    from processor.config import ONE_SESSION_ACTIONS, UiConfig
+
+    assert ONE_SESSION_ACTIONS == MAX_ACTIONS_PER_SESSION
+    problems = UiConfig(max_sessions=0, max_actions=ONE_SESSION_ACTIONS - 1).validate("ui")
+    assert [(p.where, p.message) for p in problems] == [
+        ("ui.max_sessions", "must be at least 1"),
+        ("ui.max_actions", f"must be at least {ONE_SESSION_ACTIONS} (one session's kept actions)"),
+    ]
+    assert UiConfig().validate("ui") == []
+
+
+def test_serve_builds_its_view_with_the_configured_bounds(tmp_path: Path) -> None:
+    """ui.max_sessions and ui.max_actions reach the view serve attaches (memory state: bounded at each batch)."""
+    from processor.operate.server import attach_views
+    from processor.serve import build_pipeline
+    from processor.telemetry import Telemetry
+    from tests.serve_support import serve_config
+
+    config = serve_config(tmp_path, {"state": {"backend": "memory"},
+                                     "ui": {"max_sessions": 3, "max_actions": MAX_ACTIONS_PER_SESSION}})
+    pipeline = build_pipeline(config, Telemetry())
+    try:
+        views = attach_views(config, pipeline, None)
+        for i in range(4):  # 4 sessions of 200 actions: the sessions bound keeps 3, the action bound 2
+            pipeline.evaluate([act(f"s{i}", f"a{j}", "tool_call", at_s=i * 1000 + j) for j in range(200)])
+        assert {f"s{i}": len(views.session_actions(f"s{i}")) for i in range(4)
+                if views.session(f"s{i}") is not None} == {"s2": 200, "s3": 200}
+    finally:
+        for exporter in pipeline.exporters:
+            exporter.shutdown()

@@ -12,7 +12,7 @@ from processor.operate.app import ViewContext, build_app
 from processor.pipeline import Pipeline
 from processor.state.base import StateStore
 from processor.state.sqlstore import SqlStateStore
-from processor.state.views import MemoryViews, ViewStore
+from processor.state.views import MemoryViews, ViewBounds, ViewStore
 from processor.telemetry import Telemetry
 
 _STARTUP_TIMEOUT_S: Final = 30.0
@@ -21,13 +21,14 @@ _STARTUP_TIMEOUT_S: Final = 30.0
 def attach_views(config: Config, pipeline: Pipeline, store: StateStore | None) -> ViewStore:
     """The read model for this store, fed by the pipeline from now on."""
     views: ViewStore
+    bounds = ViewBounds(max_sessions=config.ui.max_sessions, max_actions=config.ui.max_actions)
     if isinstance(store, SqlStateStore):
         from processor.state.sqlviews import views_for
 
         # A session leaves the view once it has been idle as long as the engine keeps it.
-        views = views_for(store, retention_s=float(config.evaluate.session_idle_timeout))
+        views = views_for(store, retention_s=float(config.evaluate.session_idle_timeout), bounds=bounds)
     else:
-        views = MemoryViews(max_sessions=config.evaluate.max_sessions)
+        views = MemoryViews(bounds)
     pipeline.views = views
     return views
 

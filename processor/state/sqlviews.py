@@ -21,9 +21,11 @@ import orjson
 from processor.records import Action
 from processor.state.sqlstore import SqlStateStore
 from processor.state.views import (
+    DEFAULT_BOUNDS,
     MAX_ACTIONS_PER_SESSION,
     MAX_VIOLATIONS,
     WAIT_STATES,
+    ViewBounds,
     ViewStore,
     ViolationFilter,
     _deltas,
@@ -71,9 +73,12 @@ class SqlViews(ViewStore):
     """The read model in the state database; ``reader`` opens the read connection."""
 
     def __init__(self, store: SqlStateStore, reader: Callable[[], Any], *, postgres: bool,
-                 retention_s: float = DEFAULT_RETENTION_S) -> None:
+                 retention_s: float = DEFAULT_RETENTION_S, bounds: ViewBounds = DEFAULT_BOUNDS,
+                 prune_every: int = _PRUNE_EVERY) -> None:
         self._store = store
         self._retention_ns = int(retention_s * 1e9)
+        self._bounds = bounds
+        self._prune_every = prune_every
         self._postgres = postgres
         self._writes = 0
         types = _PG_TYPES if postgres else _SQLITE_TYPES
@@ -133,9 +138,10 @@ class SqlViews(ViewStore):
         if deltas:
             self._write_sessions(deltas)
         self._writes += 1
-        if self._writes % _PRUNE_EVERY == 0:
+        if self._writes % self._prune_every == 0:
             self._prune_violations()
             self._prune_sessions(now_ns)
+            self._prune_to_bounds()
 
     def _fresh(self, violations: Sequence[Violation]) -> list[Violation]:
         """The violations not yet in the view (a request evaluated again after a crash finds them again)."""
@@ -230,6 +236,47 @@ class SqlViews(ViewStore):
         self._store.execute(f"DELETE FROM view_waits WHERE session_id IN ({old})", (cutoff,))  # noqa: S608
         self._store.execute("DELETE FROM view_sessions WHERE last_ns < ?", (cutoff,))
 
+    def _prune_to_bounds(self) -> None:
+        """Past ``max_sessions`` or ``max_actions``, the least recently active sessions (event time) leave.
+
+        The actions bound counts each session's kept rows as at most min(actions, MAX_ACTIONS_PER_SESSION)
+        from its summary row (an upper bound: a delivery seen twice is counted twice), so the
+        rows left are never more than the bound; the tables are counted only every ``prune_every`` writes.
+        """
+        store = self._store
+        bounds = self._bounds
+        # NULL (no event time) sorts as the oldest on both databases.
+        activity = "COALESCE(last_ns, 0)"
+        gone: list[str] = []
+        sessions = int(store.execute("SELECT count(*) FROM view_sessions").fetchone()[0])
+        if sessions > bounds.max_sessions:
+            rows = store.execute(
+                f"SELECT session_id FROM view_sessions ORDER BY {activity}, session_id LIMIT ?",  # noqa: S608
+                (sessions - bounds.max_sessions,),
+            ).fetchall()
+            gone.extend(str(r[0]) for r in rows)
+        actions = int(store.execute("SELECT count(*) FROM view_actions").fetchone()[0])
+        if actions > bounds.max_actions:
+            kept = "LEAST(actions, ?)" if self._postgres else "MIN(actions, ?)"
+            rows = store.execute(
+                f"SELECT session_id FROM (SELECT session_id, SUM({kept}) OVER (ORDER BY {activity} DESC,"  # noqa: S608
+                " session_id DESC ROWS UNBOUNDED PRECEDING) AS running FROM view_sessions) AS newest_first"
+                " WHERE running > ?",
+                (MAX_ACTIONS_PER_SESSION, bounds.max_actions),
+            ).fetchall()
+            gone.extend(str(r[0]) for r in rows)
+        if gone:
+            self._forget(sorted(set(gone)))
+
+    def _forget(self, session_ids: list[str]) -> None:
+        """The sessions leave the view with their actions and waits (their violations stay, bounded apart)."""
+        store = self._store
+        for i in range(0, len(session_ids), _CHUNK):
+            chunk = session_ids[i:i + _CHUNK]
+            marks = ", ".join("?" * len(chunk))
+            for table in ("view_actions", "view_waits", "view_sessions"):
+                store.execute(f"DELETE FROM {table} WHERE session_id IN ({marks})", chunk)  # noqa: S608
+
     def _prune_violations(self) -> None:
         rows = self._store.execute(
             "SELECT created_ns FROM view_violations ORDER BY created_ns DESC LIMIT 1 OFFSET ?", (MAX_VIOLATIONS,)
@@ -317,8 +364,12 @@ class SqlViews(ViewStore):
                 self._reader = None
 
 
-def views_for(store: SqlStateStore, retention_s: float = DEFAULT_RETENTION_S) -> SqlViews:
-    """The read model on a SQLite or PostgreSQL store, with its own read connection."""
+def views_for(store: SqlStateStore, retention_s: float = DEFAULT_RETENTION_S,
+              bounds: ViewBounds = DEFAULT_BOUNDS, prune_every: int = _PRUNE_EVERY) -> SqlViews:
+    """The read model on a SQLite or PostgreSQL store, with its own read connection.
+
+    ``prune_every``: writes between two prunings (retention, bounds); tests make it small.
+    """
     from processor.state.sqlite import SqliteStore
 
     if isinstance(store, SqliteStore):
@@ -330,7 +381,8 @@ def views_for(store: SqlStateStore, retention_s: float = DEFAULT_RETENTION_S) ->
             conn.execute("PRAGMA query_only = ON")
             return conn
 
-        return SqlViews(store, sqlite_reader, postgres=False, retention_s=retention_s)
+        return SqlViews(store, sqlite_reader, postgres=False, retention_s=retention_s, bounds=bounds,
+                        prune_every=prune_every)
     from processor.state.postgres import PostgresStore
 
     if isinstance(store, PostgresStore):
@@ -343,5 +395,6 @@ def views_for(store: SqlStateStore, retention_s: float = DEFAULT_RETENTION_S) ->
                                    options="-c statement_timeout=5000 -c default_transaction_read_only=on",
                                    application_name="durable-check view")
 
-        return SqlViews(store, pg_reader, postgres=True, retention_s=retention_s)
+        return SqlViews(store, pg_reader, postgres=True, retention_s=retention_s, bounds=bounds,
+                        prune_every=prune_every)
     raise TypeError(f"no read model for {type(store).__name__}")

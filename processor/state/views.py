@@ -14,6 +14,10 @@ model beside it, fed with every batch's actions and violations:
 - ``view_violations`` and ``view_rule_counts``: recent violations (the newest
   :data:`MAX_VIOLATIONS`) and counts by rule and severity since the store was created.
 
+Whatever the traffic, the model holds at most :class:`ViewBounds` sessions and action
+rows (``ui.max_sessions``, ``ui.max_actions``): past either, the least recently active
+sessions leave with their actions and wait, as idle ones do after the retention.
+
 On a SQL store the rows are written in the same transaction as the session state
 (``SqlStateStore.in_unit``), so a crash keeps both or neither; reads use a connection of
 their own, so the web view never waits on the evaluator's connection. On PostgreSQL the
@@ -39,9 +43,26 @@ from processor.violations import Violation, record_identity
 WAIT_STATES: Final = frozenset({"awaiting_approval", "waiting_on_external", "retry_scheduled"})
 MAX_ACTIONS_PER_SESSION: Final = 500
 MAX_VIOLATIONS: Final = 200_000
+DEFAULT_MAX_SESSIONS: Final = 100_000
+DEFAULT_MAX_ACTIONS: Final = 1_000_000
 MAX_PAGE: Final = 200
 # Pages deeper than this are refused: a bounded scan per request, whatever the store holds.
 MAX_OFFSET: Final = 10_000
+
+
+@dataclass(slots=True, frozen=True)
+class ViewBounds:
+    """How much the read model keeps, whatever the traffic (least recently active sessions leave first).
+
+    Without them a week of churn (sessions kept for the idle timeout, up to
+    MAX_ACTIONS_PER_SESSION actions each) grows the view's tables by the traffic, not by configuration.
+    """
+
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_actions: int = DEFAULT_MAX_ACTIONS
+
+
+DEFAULT_BOUNDS: Final = ViewBounds()
 
 
 @dataclass(slots=True, frozen=True)
@@ -180,9 +201,10 @@ class ViewStore(ABC):
 class MemoryViews(ViewStore):
     """The read model in memory: bounded (least recently active sessions go first)."""
 
-    def __init__(self, max_sessions: int = 100_000) -> None:
+    def __init__(self, bounds: ViewBounds = DEFAULT_BOUNDS) -> None:
         self._lock = threading.Lock()
-        self._max_sessions = max_sessions
+        self._bounds = bounds
+        self._action_rows = 0  # every session's kept actions together
         self._sessions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._actions: dict[str, OrderedDict[str, dict[str, Any]]] = {}
         self._waits: dict[str, dict[str, Any]] = {}
@@ -198,10 +220,12 @@ class MemoryViews(ViewStore):
             for action in actions:
                 kept = self._actions.setdefault(action.session_id, OrderedDict())
                 row = action_row(action)
-                kept.setdefault(row["identity"], row)
+                if kept.setdefault(row["identity"], row) is row:
+                    self._action_rows += 1
                 while len(kept) > MAX_ACTIONS_PER_SESSION:
                     oldest = min(kept.values(), key=_action_order)
                     del kept[oldest["identity"]]
+                    self._action_rows -= 1
             for v in fresh:
                 if len(self._violations) == self._violations.maxlen:
                     self._seen.discard(self._violations[0]["violation_id"])
@@ -209,9 +233,11 @@ class MemoryViews(ViewStore):
                 self._violations.append({**v.to_json(), "created_ns": now_ns})
                 key = (v.rule, v.severity)
                 self._counts[key] = self._counts.get(key, 0) + 1
-            while len(self._sessions) > self._max_sessions:
+            bounds = self._bounds
+            while self._sessions and (len(self._sessions) > bounds.max_sessions
+                                      or self._action_rows > bounds.max_actions):
                 sid, _ = self._sessions.popitem(last=False)
-                self._actions.pop(sid, None)
+                self._action_rows -= len(self._actions.pop(sid, ()))
                 self._waits.pop(sid, None)
 
     def _apply(self, d: _SessionDelta) -> None:

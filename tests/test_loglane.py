@@ -25,7 +25,7 @@ from processor import cli
 from processor.evaluate.cel import Environment, compile_expression, python_source
 from processor.evaluate.cel._codegen import SourceContext
 from processor.evaluate.loglane import LogLane, _check_source
-from tests.test_skill_parity import _logs, _record
+from tests.test_skill_parity import _logs, _odd_line, _record
 
 # Rules the lane must run exactly: translated ones, refused ones (macros, calls, absent
 # fields read without has()), ones that fail on some records, a message with every kind of hole.
@@ -100,6 +100,27 @@ def test_the_skill_pack_gives_the_engine_report(
     with tempfile.TemporaryDirectory() as directory:
         path = _write(directory, "actions.jsonl", lines)
         _both(["--pack", "durable-sessions", "--format", fmt, *mode, path], capsys)
+
+
+# Lines with whitespace around them (a cut line often ends in a space): parse_line strips them,
+# so does the lane, whatever the JSON inside (valid, cut, a comment, nothing).
+_pads = st.sampled_from([b" ", b"\t", b"\x0c", b"  \x0b", b"\r"])
+_padded_logs = st.lists(
+    st.tuples(_pads, st.one_of(_record.map(orjson.dumps), _odd_line), _pads).map(lambda t: t[0] + t[1] + t[2]),
+    min_size=1, max_size=25,
+)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+@settings(max_examples=_EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=_padded_logs)
+def test_lines_with_whitespace_around_them_read_as_the_engine_reads_them(
+    lines: list[bytes], fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = _write(directory, "padded.jsonl", lines)
+        # Named: a file that starts with a control character is not taken for an action log on sight.
+        _both(["--pack", "durable-sessions", "--input-format", "actions", "--format", fmt, path], capsys)
 
 
 _times = st.sampled_from(["2026-11-01T09:14:00Z", "2026-11-01T09:14:00.5Z", "2026-11-02T00:00:00+02:00", "soon"])

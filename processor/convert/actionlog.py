@@ -135,15 +135,13 @@ def parse_line(raw: bytes, origin: str, line: int, seq: int = 0) -> Action | Mal
     return parsed_line(parsed, origin, line, seq)
 
 
-def unparsed_line(raw: bytes, error: orjson.JSONDecodeError, origin: str, line: int) -> Action | Malformed | None:
-    """``parse_line`` of a line whose ``orjson.loads(raw)`` raised ``error``: the same item, without
-    parsing again when nothing around the text is stripped (then the error is parse_line's)."""
-    stripped = raw.strip()
+def unparsed_line(
+    raw: bytes, stripped: bytes, error: orjson.JSONDecodeError, origin: str, line: int
+) -> Malformed | None:
+    """``parse_line(raw)`` when ``orjson.loads(stripped)`` raised ``error`` (``stripped`` is ``raw.strip()``):
+    the same item, without parsing again."""
     if not stripped or stripped[:1] == b"#":
         return None
-    if len(stripped) != len(raw):
-        # Stripping may change the verdict (a form feed is no JSON whitespace) and moves columns.
-        return parse_line(raw, origin, line)
     return Malformed(_json_problem(raw, error), origin=origin, line=line, source="log")
 
 

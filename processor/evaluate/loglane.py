@@ -305,14 +305,16 @@ class LogLane:
                         kind = record.kind
                         check = typed_check
                     else:
+                        # Stripped as parse_line does: a line with spaces around it is parsed once.
+                        stripped = raw.strip()
                         try:
-                            record = loads(raw)
+                            record = loads(stripped)
                         except decode_error as error:
                             record = error
                         if not (type(record) is dict and well_formed(record)):
                             # What a line is, parsed no second time.
                             if isinstance(record, decode_error):
-                                item = unparsed_line(raw, record, origin, number)
+                                item = unparsed_line(raw, stripped, record, origin, number)
                             else:
                                 item = parsed_line(record, origin, number)
                             if item is None:
@@ -467,12 +469,14 @@ class LogLane:
         for index, plan in enumerate(self._malformed):
             tally[self._malformed_offset + index] += 1
             messages = self._malformed_messages[index]
-            if messages is not None:
-                message, printed = messages[0](item.message, line), messages[1](item.message, line)
-            else:
+            if messages is None:
                 meta = {"source": "log", "line": line, "problem": item.message}
                 message = plan.rule.message.render({"meta": meta, "lists": self._act["lists"]})
                 printed = printable(message)
+            elif self._text:  # only the form the report prints
+                printed = messages[1](item.message, line)
+            else:
+                message = messages[0](item.message, line)
             if not self._text:
                 self._add_json(malformed_violation(plan, item, message).to_json())
                 continue

@@ -66,7 +66,7 @@ from processor.evaluate.cel._ast import Has, Ident, Index, Literal, Node, Select
 from processor.evaluate.cel._codegen import Conjunct, conjuncts, facts_when_true, is_plain_read
 from processor.evaluate.engine import malformed_violation
 from processor.evaluate.model import MessageTemplate
-from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Malformed
+from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
 from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block, printable
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import make_violation_id
@@ -313,6 +313,7 @@ class LogLane:
                             record = error
                         if not (type(record) is dict and well_formed(record)):
                             # What a line is, parsed no second time.
+                            item: Action | Malformed | None
                             if isinstance(record, decode_error):
                                 item = unparsed_line(raw, stripped, record, origin, number)
                             else:

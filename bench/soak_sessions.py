@@ -277,10 +277,15 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
         tailer.stop()
         log = stderr_path.read_text(encoding="utf-8", errors="replace")
     latencies: dict[str, list[float]] = {"DS002": [], "DS110": []}
+    # Per minute of the load (by send time): where in the run the tail is, not only how long it is.
+    by_minute: dict[str, dict[int, list[float]]] = {"DS002": {}, "DS110": {}}
+    first_sent = min(load.payments.values(), default=0)
     for (rule, action_id), seen_ns in tailer.seen.items():
         sent_ns = load.payments.get(action_id)
         if rule in latencies and sent_ns is not None:
-            latencies[rule].append((seen_ns - sent_ns) / 1e6)
+            latency_ms = (seen_ns - sent_ns) / 1e6
+            latencies[rule].append(latency_ms)
+            by_minute[rule].setdefault((sent_ns - first_sent) // 60_000_000_000, []).append(latency_ms)
     after = [r for t, r in samples if t >= warmup_s]
     median = statistics.median(after) if after else None
     return {
@@ -306,6 +311,8 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
         "ds110_found": len(latencies["DS110"]),
         "p50_ms": {rule: _percentile(v, 0.5) for rule, v in latencies.items()},
         "p99_ms": {rule: _percentile(v, 0.99) for rule, v in latencies.items()},
+        "p99_ms_by_minute": {rule: {str(minute): _percentile(v, 0.99) for minute, v in sorted(minutes.items())}
+                             for rule, minutes in by_minute.items()},
         "rss_median_after_warmup_mib": median,
         "rss_min_after_warmup_mib": min(after) if after else None,
         "rss_max_after_warmup_mib": max(after) if after else None,

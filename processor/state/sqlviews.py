@@ -79,6 +79,11 @@ class SqlViews(ViewStore):
         self._retention_ns = int(retention_s * 1e9)
         self._bounds = bounds
         self._prune_every = prune_every
+        # Rows and sessions this process added since the bounds were last checked: past 1% of
+        # a bound they are checked again, so the tables overshoot a bound by at most about 1%
+        # (times the replicas writing them) instead of by 1,000 writes of traffic.
+        self._added_actions = 0
+        self._added_sessions = 0
         self._postgres = postgres
         self._writes = 0
         types = _PG_TYPES if postgres else _SQLITE_TYPES
@@ -138,9 +143,13 @@ class SqlViews(ViewStore):
         if deltas:
             self._write_sessions(deltas)
         self._writes += 1
+        self._added_actions += len(actions)
         if self._writes % self._prune_every == 0:
             self._prune_violations()
             self._prune_sessions(now_ns)
+            self._prune_to_bounds()
+        elif (self._added_actions > self._bounds.max_actions // 100
+              or self._added_sessions > self._bounds.max_sessions // 100):
             self._prune_to_bounds()
 
     def _fresh(self, violations: Sequence[Violation]) -> list[Violation]:
@@ -179,6 +188,7 @@ class SqlViews(ViewStore):
         crowded: list[str] = []
         for sid, d in deltas.items():
             old = current.get(sid)
+            self._added_sessions += old is None
             first, last, n_actions, n_violations, state, state_ns, service, trace_id = (
                 old[1:] if old is not None else (None, None, 0, 0, "", -1, "", "")
             )
@@ -239,34 +249,34 @@ class SqlViews(ViewStore):
     def _prune_to_bounds(self) -> None:
         """Past ``max_sessions`` or ``max_actions``, the least recently active sessions (event time) leave.
 
-        The actions bound counts each session's kept rows as at most min(actions, MAX_ACTIONS_PER_SESSION)
-        from its summary row (an upper bound: a delivery seen twice is counted twice), so the
-        rows left are never more than the bound; the tables are counted only every ``prune_every`` writes.
+        The oldest sessions are read through the activity index, a chunk at a time, until enough
+        have been taken: the cost is that of the rows removed (and two counts), not of the
+        sessions kept. A session's kept rows are taken as min(actions, MAX_ACTIONS_PER_SESSION)
+        from its summary row (a delivery seen twice counts twice: at worst a few rows more go).
+        Called every ``prune_every`` writes, and once this process added 1% of a bound since.
         """
         store = self._store
         bounds = self._bounds
-        # NULL (no event time) sorts as the oldest on both databases.
-        activity = "COALESCE(last_ns, 0)"
-        gone: list[str] = []
+        self._added_actions = self._added_sessions = 0
         sessions = int(store.execute("SELECT count(*) FROM view_sessions").fetchone()[0])
-        if sessions > bounds.max_sessions:
-            rows = store.execute(
-                f"SELECT session_id FROM view_sessions ORDER BY {activity}, session_id LIMIT ?",  # noqa: S608
-                (sessions - bounds.max_sessions,),
-            ).fetchall()
-            gone.extend(str(r[0]) for r in rows)
-        actions = int(store.execute("SELECT count(*) FROM view_actions").fetchone()[0])
-        if actions > bounds.max_actions:
-            kept = "LEAST(actions, ?)" if self._postgres else "MIN(actions, ?)"
-            rows = store.execute(
-                f"SELECT session_id FROM (SELECT session_id, SUM({kept}) OVER (ORDER BY {activity} DESC,"  # noqa: S608
-                " session_id DESC ROWS UNBOUNDED PRECEDING) AS running FROM view_sessions) AS newest_first"
-                " WHERE running > ?",
-                (MAX_ACTIONS_PER_SESSION, bounds.max_actions),
-            ).fetchall()
-            gone.extend(str(r[0]) for r in rows)
-        if gone:
-            self._forget(sorted(set(gone)))
+        excess_sessions = sessions - bounds.max_sessions
+        excess_rows = int(store.execute("SELECT count(*) FROM view_actions").fetchone()[0]) - bounds.max_actions
+        if excess_sessions <= 0 and excess_rows <= 0:
+            return
+        # NULL (no event time) is the oldest on both databases.
+        oldest = "SELECT session_id, actions FROM view_sessions ORDER BY last_ns NULLS FIRST LIMIT ? OFFSET ?"
+        gone: list[str] = []
+        while excess_sessions > 0 or excess_rows > 0:
+            rows = store.execute(oldest, (_CHUNK, len(gone))).fetchall()
+            for session_id, actions in rows:
+                gone.append(str(session_id))
+                excess_sessions -= 1
+                excess_rows -= min(int(actions), MAX_ACTIONS_PER_SESSION)
+                if excess_sessions <= 0 and excess_rows <= 0:
+                    break
+            if len(rows) < _CHUNK:
+                break
+        self._forget(gone)
 
     def _forget(self, session_ids: list[str]) -> None:
         """The sessions leave the view with their actions and waits (their violations stay, bounded apart)."""

@@ -10,7 +10,8 @@ write failed until a retry wrote it, across a crash too.
 A violation is written once: the ids written are remembered (the newest
 ``dedupe_ids`` of them, as fixed-size digests in memory allocated at start: see
 ``exporters._recent``), and on start they are read back from the file and its rotated
-copies, so a restart that re-evaluates the same input does not write a line twice.
+copies (newest first, as far back as those ids go), so a restart that re-evaluates the
+same input does not write a line twice.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -371,6 +373,7 @@ class JsonlExporter:
             self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
                                               on_removed=self._rotated_away("actions"))
         self._written = RecentIds(cfg.dedupe_ids)
+        self._dedupe_ids = cfg.dedupe_ids
         self._settled_at = time.monotonic()
         try:
             self._load_written()
@@ -425,11 +428,28 @@ class JsonlExporter:
                                                   "refusing to append to, cut or rotate it")])
         if self._file.cut_torn_tail():
             log.warning("exporter jsonl: cut a torn last line (an interrupted write) from the output file")
-        # Oldest first, so that the bounded memory keeps the newest ids.
-        for path in [*reversed(self._file.rotated_paths()), self._file.path]:
+        # Only the newest dedupe_ids ids are kept: the files are read newest first and no further
+        # back than that (a full history, rotate_keep copies of rotate_max_size, is about
+        # 800,000 lines at the defaults; each start read it all), then remembered oldest first.
+        wanted = self._dedupe_ids
+        distinct: set[str] = set()
+        newest_first: list[list[str]] = []
+        for path in [self._file.path, *self._file.rotated_paths()]:
+            if len(distinct) >= wanted:
+                break
             if not path.is_file():
                 continue  # absent, or a device (/dev/stdout) that holds nothing to read back
-            for vid in _iter_violation_ids(path):
+            taken: list[str] = []
+            # A file's last ids only, in memory bounded by what is still wanted (ids are written once each).
+            for vid in reversed(deque(_iter_violation_ids(path), maxlen=wanted - len(distinct))):
+                if vid not in distinct:
+                    distinct.add(vid)
+                    taken.append(vid)
+                    if len(distinct) >= wanted:
+                        break
+            newest_first.append(taken)
+        for taken in reversed(newest_first):
+            for vid in reversed(taken):
                 self._remember(vid)
 
     def _remember(self, violation_id: str) -> None:

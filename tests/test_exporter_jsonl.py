@@ -102,6 +102,34 @@ def test_the_memory_of_written_ids_is_bounded(tmp_path: Path) -> None:
     assert len(read_lines(out)) == 7
 
 
+def test_a_restart_reads_back_only_as_far_as_the_ids_it_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from exporters import jsonl
+
+    out = tmp_path / "v.jsonl"
+    cfg = JsonlConfig(path=str(out), rotate_max_size=ByteSize(1200), rotate_keep=20, dedupe_ids=4)
+    exporter = JsonlExporter(cfg, Telemetry())
+    for i in range(12):
+        exporter.export([make_violation(i)])
+    exporter.shutdown()
+    files = [out, *sorted(out.parent.glob("v.jsonl.*"), key=lambda p: int(p.suffix[1:]))]
+    per_file = [[line["violation_id"] for line in read_lines(f)] for f in files]  # newest file first
+    assert len(files) >= 4 and all(per_file)
+    read: list[str] = []
+    real = jsonl._iter_violation_ids
+
+    def reading(path: Path) -> Any:
+        read.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(jsonl, "_iter_violation_ids", reading)
+    again = JsonlExporter(cfg, Telemetry())
+    # The newest four ids are known, the older ones not; and no file older than those four was read.
+    assert [again.has_written(make_violation(i).violation_id) for i in range(12)] == [False] * 8 + [True] * 4
+    needed = next(n for n in range(1, len(files) + 1) if sum(len(ids) for ids in per_file[:n]) >= 4)
+    assert read == [f.name for f in files[:needed]] and needed < len(files)
+    again.shutdown()
+
+
 def test_a_torn_last_line_is_cut_and_its_violation_written_again(tmp_path: Path) -> None:
     out = tmp_path / "v.jsonl"
     whole = json.dumps(make_violation(0).to_json()) + "\n"

@@ -150,6 +150,18 @@ def test_actions_in_order_without_payload_and_bounded(model: Fixture) -> None:
     assert model.views.session_count() == 2
 
 
+def test_a_long_session_keeps_its_newest_actions_by_event_time_whatever_the_arrival_order(model: Fixture) -> None:
+    import random
+
+    n = MAX_ACTIONS_PER_SESSION + 40
+    times = list(range(n))
+    random.Random(7).shuffle(times)  # late and early spans mixed, as a collector delivers them
+    for start in range(0, n, 60):
+        model.record([act("long", f"x{t}", "tool_call", at_s=t) for t in times[start:start + 60]])
+    kept = [r["action_id"] for r in model.views.session_actions("long")]
+    assert kept == [f"x{t}" for t in range(40, n)]
+
+
 def test_a_failed_unit_leaves_no_rows_and_a_restart_keeps_them(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "state.db", synchronous="normal")
     views = views_for(store)

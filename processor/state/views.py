@@ -30,6 +30,7 @@ No payload goes in: only record fields the contract names, never result values o
 
 from __future__ import annotations
 
+import heapq
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
@@ -207,6 +208,9 @@ class MemoryViews(ViewStore):
         self._action_rows = 0  # every session's kept actions together
         self._sessions: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._actions: dict[str, OrderedDict[str, dict[str, Any]]] = {}
+        # Per session, its kept rows by event order (time, seq, identity): the oldest is dropped
+        # past MAX_ACTIONS_PER_SESSION without scanning the session's rows for it.
+        self._order: dict[str, list[tuple[int, int, str]]] = {}
         self._waits: dict[str, dict[str, Any]] = {}
         self._violations: deque[dict[str, Any]] = deque(maxlen=MAX_VIOLATIONS)
         self._seen: set[str] = set()
@@ -220,11 +224,13 @@ class MemoryViews(ViewStore):
             for action in actions:
                 kept = self._actions.setdefault(action.session_id, OrderedDict())
                 row = action_row(action)
-                if kept.setdefault(row["identity"], row) is row:
-                    self._action_rows += 1
-                while len(kept) > MAX_ACTIONS_PER_SESSION:
-                    oldest = min(kept.values(), key=_action_order)
-                    del kept[oldest["identity"]]
+                if kept.setdefault(row["identity"], row) is not row:
+                    continue  # a delivery seen again
+                self._action_rows += 1
+                order = self._order.setdefault(action.session_id, [])
+                heapq.heappush(order, (*_action_order(row), row["identity"]))
+                if len(kept) > MAX_ACTIONS_PER_SESSION:
+                    del kept[heapq.heappop(order)[2]]
                     self._action_rows -= 1
             for v in fresh:
                 if len(self._violations) == self._violations.maxlen:
@@ -238,6 +244,7 @@ class MemoryViews(ViewStore):
                                       or self._action_rows > bounds.max_actions):
                 sid, _ = self._sessions.popitem(last=False)
                 self._action_rows -= len(self._actions.pop(sid, ()))
+                self._order.pop(sid, None)
                 self._waits.pop(sid, None)
 
     def _apply(self, d: _SessionDelta) -> None:

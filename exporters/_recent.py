@@ -55,6 +55,11 @@ class RecentIds:
         self._count = 0
 
     @property
+    def capacity(self) -> int:
+        """How many ids are remembered at most (the newest)."""
+        return self._capacity
+
+    @property
     def nbytes(self) -> int:
         """Memory held by the two buffers."""
         return len(self._table) + len(self._ring)

@@ -373,7 +373,6 @@ class JsonlExporter:
             self._actions_file = RotatingFile(Path(cfg.actions_path), cfg.rotate_max_size, cfg.rotate_keep, cfg.fsync,
                                               on_removed=self._rotated_away("actions"))
         self._written = RecentIds(cfg.dedupe_ids)
-        self._dedupe_ids = cfg.dedupe_ids
         self._settled_at = time.monotonic()
         try:
             self._load_written()
@@ -431,7 +430,7 @@ class JsonlExporter:
         # Only the newest dedupe_ids ids are kept: the files are read newest first and no further
         # back than that (a full history, rotate_keep copies of rotate_max_size, is about
         # 800,000 lines at the defaults; each start read it all), then remembered oldest first.
-        wanted = self._dedupe_ids
+        wanted = self._written.capacity
         distinct: set[str] = set()
         newest_first: list[list[str]] = []
         for path in [self._file.path, *self._file.rotated_paths()]:

@@ -131,7 +131,7 @@ def parse_line(raw: bytes, origin: str, line: int, seq: int = 0) -> Action | Mal
     try:
         parsed = orjson.loads(stripped)
     except orjson.JSONDecodeError as exc:
-        return Malformed(_json_problem(raw, exc), origin=origin, line=line, source="log")
+        return unparsed_line(raw, stripped, exc, origin, line)
     return parsed_line(parsed, origin, line, seq)
 
 

@@ -202,11 +202,12 @@ def render_text(report: Report) -> str:
     return buffer.getvalue()
 
 
-def write_json(report: Report, out: TextIO, violation_blocks: Iterable[str] | None = None) -> None:
-    """One JSON object (two-space indent); the violations are written one at a time into it.
+def write_json(report: Report, out: TextIO, violations_text: Iterable[str] | None = None) -> None:
+    """One JSON object (two-space indent); the violations are written one block at a time into it.
 
-    ``violation_blocks``: the violations already serialized by ``json_block`` (in report
-    order), instead of the report's own.
+    ``violations_text``: the report's violations list already serialized (``json_block``
+    blocks joined by ``",\n"``, in report order), in pieces written as they are, instead of
+    the report's own.
     """
     doc: dict[str, Any] = {
         "inputs": report.inputs,
@@ -225,31 +226,41 @@ def write_json(report: Report, out: TextIO, violation_blocks: Iterable[str] | No
         out.write(text + "\n")
         return
     out.write(before)
-    if violation_blocks is None:
-        blocks = _blocks(report.ordered(), JSON_BLOCK)
-        violation_blocks = (json_block([v.to_json() for v in block]) for block in blocks)
-    first = True
-    for block_text in violation_blocks:
-        if not first:
-            out.write(",\n")
-        first = False
-        out.write(block_text)
+    if violations_text is None:
+        violations_text = _joined(json_block([v.to_json() for v in block])
+                                  for block in _blocks(report.ordered(), JSON_BLOCK))
+    for piece in violations_text:
+        out.write(piece)
     out.write(after + "\n")
+
+
+def _joined(blocks: Iterable[str]) -> Iterator[str]:
+    """Blocks as pieces of one list's text: a ``",\n"`` between two."""
+    first = True
+    for block in blocks:
+        if not first:
+            yield ",\n"
+        first = False
+        yield block
 
 
 def json_block(objects: list[dict[str, Any]]) -> str:
     """Violations' JSON objects as they sit in the report's list: one orjson call for the block.
 
-    A list dumped with two-space indents is its elements one level deep; two more spaces on
-    every line put them where the document's violations list is (four spaces deep).
+    The report's violations list is two levels deep (four spaces), as the list of a
+    one-element list is: dumped that way, the outer brackets sliced off, the objects are
+    indented where they belong with no pass over the text to re-indent it.
     """
-    text = orjson.dumps(objects, option=orjson.OPT_INDENT_2).decode()
-    return _LIST_INDENT + text[2:-2].replace("\n", "\n" + _LIST_INDENT)
+    if not objects:
+        return ""
+    return orjson.dumps([objects], option=orjson.OPT_INDENT_2)[_NESTED_OPEN:-_NESTED_CLOSE].decode()
 
 
 # Violations serialized together in the JSON report.
 JSON_BLOCK: Final = 1024
-_LIST_INDENT: Final = "  "
+# What orjson writes around a list nested in a one-element list: "[\n  [\n" and "\n  ]\n]".
+_NESTED_OPEN: Final = 6
+_NESTED_CLOSE: Final = 6
 
 
 def _blocks(items: Iterator[Violation], size: int) -> Iterator[list[Violation]]:

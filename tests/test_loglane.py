@@ -159,6 +159,33 @@ def test_rule_errors_are_counted_and_logged_once_as_by_the_engine(
     assert sum("rule X002" in r.getMessage() for r in caplog.records) == 2  # once per run: lane, then engine
 
 
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_report_of_several_spooled_blocks_is_the_engine_report(
+    fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Thousands of violations: the lane's spool holds several blocks (JSON_BLOCK each) and
+    copies them out in pieces; the document is the engine's, byte for byte."""
+    from processor.report import JSON_BLOCK
+
+    lines: list[bytes] = []
+    for n in range(3 * JSON_BLOCK):
+        if n % 7 == 0:
+            lines.append(b'{"action_id": "cut-%d", "kind": "payment"' % n)  # DS000, not valid JSON
+        else:
+            lines.append(orjson.dumps({"session_id": f"s{n % 13}", "action_id": f"a{n}", "kind": "payment",
+                                       "status": "ok", "result": {"n": n}}))  # DS002: no idempotency key
+    path = _write(str(tmp_path), "many.jsonl", lines)
+    code, out, _ = _both(["--pack", "durable-sessions", "--format", fmt, path], capsys)
+    assert code == 1
+    if fmt == "json":
+        document = orjson.loads(out)
+        assert len(document["violations"]) == len(lines)
+        assert [v["line"] for v in document["violations"]] == list(range(1, len(lines) + 1))
+        # Nested where the document's list is: four spaces before each violation's brace.
+        listed = out[out.index('"violations": [') : out.index('"unreadable"')]
+        assert listed.count("\n    {\n") == len(lines)
+
+
 def test_the_shipped_packs_together_run_on_the_engine(tmp_path: Path) -> None:
     """Session rules keep per-session state: the lane does not apply, and says why."""
     from processor.evaluate.engine import Engine

@@ -166,9 +166,11 @@ class LogLane:
             for groups, plan in zip(self._file_groups, self._file_plans, strict=True)
         ]
         self._width = self._malformed_offset + len(self._malformed)
-        # The report's violations, in its order, until written: text lines, or blocks of JSON.
+        # The report's violations, in its order, until written: text lines, or the JSON report's
+        # violations list as it will be written (blocks and the ",\n" between), copied out as it is.
         self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self._objects: list[dict[str, Any]] = []
+        self._json_blocks = 0
 
     # -- running --------------------------------------------------------------------
 
@@ -224,20 +226,18 @@ class LogLane:
         write_text_tail(self._report, out)
 
     def write_json(self, out: TextIO) -> None:
-        """The JSON report, its violations read back from the spool a block at a time."""
+        """The JSON report, its violations list copied from the spool as it was written."""
         from processor.report import write_json
 
         spool = self._spool
         assert spool is not None
         spool.seek(0)
 
-        def blocks() -> Iterator[str]:
-            pending = ""
+        def pieces() -> Iterator[str]:
             while chunk := spool.read(1 << 20):
-                *done, pending = (pending + chunk).split("\0")
-                yield from done
+                yield chunk
 
-        write_json(self._report, out, blocks())
+        write_json(self._report, out, pieces())
 
     def close(self) -> None:
         if self._spool is not None:
@@ -540,9 +540,10 @@ class LogLane:
             spool.write("\n")
             self._lines.clear()
         if self._objects:
-            # Blocks are separated by a NUL (no JSON text holds one raw): write_json reads them back one by one.
+            if self._json_blocks:
+                spool.write(",\n")
             spool.write(json_block(self._objects))
-            spool.write("\0")
+            self._json_blocks += 1
             self._objects.clear()
 
     @staticmethod

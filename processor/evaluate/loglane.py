@@ -380,8 +380,9 @@ class LogLane:
                 if decode is strict and refused > len(stretch) * _TYPED_MISS_SHARE:
                     # Most lines carry fields the rules do not name: the open decoder reads the next ones.
                     typed_rest = _TYPED_RETRY
-            if lines:
-                self._flush()
+                if lines:
+                    # A stretch's lines at a time: written while they are still in the CPU's cache.
+                    self._flush()
         self._actions += actions
         if fallback:
             act["record"] = _EMPTY_RECORD

@@ -616,6 +616,32 @@ def write_skill_log(path: Path, records: int, sessions: int, flaw_share: float, 
     return stats
 
 
+def write_violation_pair(keyed: Path, unkeyed: Path, records: int, sessions: int) -> None:
+    """Two logs of the same ``records`` successful payments, with and without their idempotency key.
+
+    Every line of the second breaks one rule of the skill's pack (a side effect with no
+    idempotency key) and nothing else; the first breaks none. The two differ by that one
+    field a line, so the difference of replay's CPU on them is what a violation costs,
+    from detection to its report line, and nothing else (no malformed line, no other shape).
+    """
+    for path, with_key in ((keyed, True), (unkeyed, False)):
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        with tmp.open("wb") as out:
+            lines = []
+            for line in range(records):
+                session = f"s-{line % sessions:05d}"
+                record: dict[str, Any] = {"session_id": session, "action_id": f"a{line:08d}", "kind": "payment",
+                                          "status": "ok", "time": "2026-11-01T09:14:00Z", "result": {"id": line}}
+                if with_key:
+                    record["idempotency_key"] = f"{session}-a{line}"
+                lines.append(orjson.dumps(record) + b"\n")
+                if len(lines) >= 4096:
+                    out.write(b"".join(lines))
+                    lines.clear()
+            out.write(b"".join(lines))
+        tmp.replace(path)
+
+
 # -- rule files --------------------------------------------------------------------------
 
 _CONDITION_SHAPES: Final = (

@@ -19,14 +19,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from processor.errors import StateError
-from processor.evaluate.engine import Engine, EngineOptions
+from processor.evaluate.engine import Engine, EngineOptions, buffer_row_plain
 from processor.state.bufferrows import live_entries
 from processor.state.postgres import PostgresStore
 from processor.state.session import CountState, RuleSchema, SessionState, group_key
 from processor.state.session import key_digest as K  # the engine keys every group by a digest
 from processor.state.sessionrows import MAX_DELTAS
 from processor.state.sqlite import SqliteStore
-from processor.state.sqlstore import SqlStateStore
+from processor.state.sqlstore import SCHEMA_VERSION, SqlStateStore
 from tests._engine_util import Spans, fired, shipped
 from tests.pg_support import fresh_database, pg_server
 from tests.test_session_identity import LLM, Clock, agent_run
@@ -257,8 +257,9 @@ def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) ->
     for sid, plain in expected.items():
         conn.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (orjson.dumps(plain), sid))
     conn.execute("DELETE FROM session_deltas")
-    # ... and each buffered span in a row of its own.
-    buffered = live_entries(conn.execute("SELECT body, released FROM buffer_segments"))
+    # ... and each buffered span in a row of its own, in the object form of that time.
+    rows = live_entries(conn.execute("SELECT body, released FROM buffer_segments"))
+    buffered = [buffer_row_plain(row) for row in rows]
     assert buffered, "the workload must leave spans in the reordering buffer"
     conn.execute("CREATE TABLE engine_buffer (replica_id TEXT NOT NULL, arrival INTEGER NOT NULL,"
                  " body BLOB NOT NULL, PRIMARY KEY (replica_id, arrival))")
@@ -273,11 +274,45 @@ def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) ->
     assert again.load_engine()["buffer"] == buffered
     restored = Engine(shipped(), EngineOptions(), again)
     assert {s.session_id: s.to_plain(restored.schema) for s in again.load_sessions(restored.schema)} == expected
-    assert again.meta_get("schema_version") == "2"
+    assert again.meta_get("schema_version") == str(SCHEMA_VERSION)
     assert not again.has_table("engine_buffer")
     found = restored.submit_many([spans(10.0, "s3")]) + restored.finish()
     assert ("DS107", "s1", "w1") in fired(found)
     again.close()
+
+
+def test_a_state_file_whose_buffered_spans_are_objects_is_read_and_goes_on(tmp_path: Path) -> None:
+    """Schema version 2 stored each buffered span as an object: read as it is, the run goes on
+    from it exactly as from the rows this build writes, and new spans are written as rows."""
+    path = tmp_path / "state.db"
+    spans = Spans()
+    workload = [spans(1.0, "s1", workflow_state="awaiting_approval", wait_timeout_s=3, action_id="w1"),
+                spans(2.0, "s2", kind="payment"), spans(7.0, "s1"), spans(6.9, "s2"), spans(7.0, "s2")]
+    rows_store = SqliteStore(tmp_path / "rows.db")
+    Engine(shipped(), EngineOptions(), rows_store).submit_many(workload)
+    first = SqliteStore(path)
+    Engine(shipped(), EngineOptions(), first).submit_many(workload)
+    first.close()
+    conn = sqlite3.connect(path)
+    segments = conn.execute("SELECT segment, body FROM buffer_segments").fetchall()
+    assert segments and all(type(e) is list for _, body in segments for e in orjson.loads(body))
+    for segment, body in segments:
+        objects = [buffer_row_plain(e) for e in orjson.loads(body)]
+        conn.execute("UPDATE buffer_segments SET body = ? WHERE segment = ?", (orjson.dumps(objects), segment))
+    conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+
+    again = SqliteStore(path)
+    assert again.meta_get("schema_version") == str(SCHEMA_VERSION)
+    assert again.load_engine() == rows_store.load_engine()
+    restored = Engine(shipped(), EngineOptions(), again)
+    expected = Engine(shipped(), EngineOptions(), rows_store)
+    more = [spans(8.0, "s3", kind="payment"), spans(10.0, "s3")]
+    found = restored.submit_many(more) + restored.finish()
+    assert fired(found) == fired(expected.submit_many(more) + expected.finish())
+    again.close()
+    rows_store.close()
 
 
 def test_a_state_file_of_an_unknown_layout_is_refused_naming_it(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@
 Every span of a session with stateful rules waits in the engine's reordering buffer for
 the allowed lateness, so at full rate a durable store would insert, and a few seconds
 later delete, one row per span: as many rows as spans, twice, beside the journal. A
-commit instead writes the spans it buffered as one segment row (their plain forms in
-one document, their arrival numbers packed beside), and records releases in the
+commit instead writes the spans it buffered as one segment row (one document holding
+each span's row, an array of its fields in the engine's order, ``engine.buffered_rows``;
+their arrival numbers packed beside), and records releases in the
 segment's bitmap; a segment whose spans all left is deleted. At 25,000 spans/s and a
 commit every 50 ms that is one insert, a bitmap update or two and a delete per commit.
 
@@ -112,8 +113,8 @@ class BufferSegments:
             return segment, index
         return None
 
-    def plan(self, gone: Iterable[int], added: Sequence[tuple[int, dict[str, Any]]]) -> BufferWrite:
-        """The writes that record ``gone`` arrivals as released and store ``added`` spans (arrival, plain)."""
+    def plan(self, gone: Iterable[int], added: Sequence[tuple[int, Any]]) -> BufferWrite:
+        """The writes that record ``gone`` arrivals as released and store ``added`` spans (arrival, row)."""
         write = BufferWrite()
         for arrival in gone:
             found = self._find(arrival)
@@ -157,11 +158,18 @@ class BufferSegments:
             self._reindex()
 
 
-def live_entries(rows: Iterable[tuple[bytes, bytes]]) -> list[dict[str, Any]]:
-    """The buffered spans still held by stored segments (body, released bitmap), in arrival order."""
-    out: list[dict[str, Any]] = []
+def entry_arrival(entry: Any) -> int:
+    """A stored span's arrival number: from its row (an array, the arrival first; schema 3) or
+    from an entry of the object form schema 2 wrote."""
+    return int(entry[0]) if type(entry) is list else int(entry["arrival"])
+
+
+def live_entries(rows: Iterable[tuple[bytes, bytes]]) -> list[Any]:
+    """The buffered spans still held by stored segments (body, released bitmap), in arrival order,
+    as they are stored (rows, or entries of the older object form)."""
+    out: list[Any] = []
     for body, released in rows:
         bitmap = bytes(released)
         out.extend(e for i, e in enumerate(orjson.loads(bytes(body))) if not is_released(bitmap, i))
-    out.sort(key=lambda e: int(e["arrival"]))
+    out.sort(key=entry_arrival)
     return out

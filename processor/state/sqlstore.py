@@ -45,11 +45,13 @@ from processor.state.tracerows import StoredTraces, TraceWrite
 
 log = logging.getLogger(__name__)
 
+# 3: a buffered span is stored as an array of its fields (engine.buffered_rows); 2 stored it as
+# an object, still read as it is (a version 2 database needs no change but its version number).
 # 2: a session is a base and deltas (processor.state.sessionrows), the reordering buffer is in
 # segments (processor.state.bufferrows), recent traces are rows (processor.state.tracerows);
 # 1 kept each session whole (a base without deltas, as it is), each buffered span in a row and
 # the traces in the engine row (read as they are), and is migrated at open.
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
 TABLES: Final = (
@@ -179,9 +181,13 @@ class SqlStateStore(StateStore):
             self.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         elif int(found[0]) == 1:
             self._migrate_whole_sessions(where)
+        elif int(found[0]) == 2:
+            # What changed is how new buffered spans are written; version 2's are read as they are.
+            self.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+            log.warning("the state database %s was migrated from schema version 2 to %d", where, SCHEMA_VERSION)
         elif int(found[0]) != SCHEMA_VERSION:
             raise StateError(f"the state database {where} has schema version {found[0]}, which this build "
-                             f"cannot read (it reads version {SCHEMA_VERSION} and migrates version 1): run the "
+                             f"cannot read (it reads version {SCHEMA_VERSION} and migrates versions 1 and 2): run the "
                              "durable-check release that wrote it, or move the database aside to start with "
                              "empty state")
 
@@ -472,7 +478,10 @@ class SqlStateStore(StateStore):
             from processor.evaluate.engine import EngineState
 
             loaded = EngineState().to_plain()
-        loaded["buffer"] = [*loaded.get("buffer", ()), *live_entries(buffered)]
+        from processor.evaluate.engine import buffer_row_plain
+
+        loaded["buffer"] = [*loaded.get("buffer", ()),
+                            *(buffer_row_plain(e) if type(e) is list else e for e in live_entries(buffered))]
         traces = self.query("SELECT trace_id, body FROM engine_traces WHERE replica_id = ? ORDER BY ord", (replica_id,))
         if traces and isinstance(loaded.get("identity"), dict):
             identity = loaded["identity"]
@@ -571,15 +580,15 @@ class SqlStateStore(StateStore):
 
 def _split_engine_state(
     state: Any, stored: BufferSegments
-) -> tuple[dict[str, Any], list[int], list[tuple[int, dict[str, Any]]]]:
+) -> tuple[dict[str, Any], list[int], list[tuple[int, list[Any]]]]:
     """The engine-wide state without its buffer, the arrivals released since the last write, and
-    the plain form of the spans buffered since then (only those are converted).
+    the rows of the spans buffered since then (only those are converted).
 
     The engine notes what it buffers and releases once asked to (``added``/``released``), so a
     write costs what changed, not the whole buffer; the first write after a (re)build compares
     the buffer with what the database holds, once.
     """
-    from processor.evaluate.engine import EngineState
+    from processor.evaluate.engine import buffered_rows
 
     buffer = state.buffer
     state.buffer = []
@@ -600,11 +609,5 @@ def _split_engine_state(
         fresh = [item for item in state.added if item.arrival not in released]
     state.added = []
     state.released = []
-    added: list[tuple[int, dict[str, Any]]] = []
-    if fresh:
-        # EngineState.to_plain is the one conversion of a buffered span; use it on the new ones only.
-        carrier = EngineState()
-        carrier.buffer = fresh
-        for plain in carrier.to_plain()["buffer"]:
-            added.append((int(plain["arrival"]), plain))
-    return head, gone, added
+    # The new spans only, each as the engine's row of it (buffered_rows).
+    return head, gone, buffered_rows(fresh) if fresh else []

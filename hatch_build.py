@@ -96,7 +96,12 @@ def _compile(root: Path, modules: list[str], work: Path) -> list[tuple[Path, str
         extensions = mypycify(
             # Third-party packages are not installed where the wheel is built: what mypyc
             # cannot see it treats as untyped, which changes nothing in the compiled code.
-            ["--config-file=", "--ignore-missing-imports", "--follow-imports=silent", *modules],
+            # ``--no-site-packages``: nor does it look for them in the interpreter's own
+            # site-packages, which a concurrent ``pip install`` may be rewriting (a build
+            # once read orjson's stubs half replaced and failed); the build is the same
+            # whatever the machine has installed.
+            ["--config-file=", "--ignore-missing-imports", "--follow-imports=silent", "--no-site-packages",
+             *modules],
             opt_level="3",
             target_dir=str(work / "c"),
         )

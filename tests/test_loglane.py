@@ -102,6 +102,36 @@ def test_the_skill_pack_gives_the_engine_report(
         _both(["--pack", "durable-sessions", "--format", fmt, *mode, path], capsys)
 
 
+def test_a_violation_names_its_trace_span_and_service_as_the_engine_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Typed lines read trace_id, span_id and service as attributes (an absent one is the
+    decoder's marker), parsed lines as dict entries: both give the engine's violations, field
+    for field, whether each is absent, null, empty or set."""
+    import itertools
+
+    absent = object()
+    values = {"trace_id": [absent, None, "", "4bf92f3577b34da6a3ce929d0e0e4736"],
+              "span_id": [absent, None, "", "00f067aa0ba902b7"],
+              "service": [absent, None, "", "booker"]}
+    lines: list[bytes] = []
+    for n, chosen in enumerate(itertools.product(*values.values())):
+        record: dict[str, Any] = {"session_id": "s1", "action_id": f"a{n}", "kind": "payment", "status": "ok",
+                                  "result": {"id": n}}  # DS002: no idempotency key
+        record.update((name, value) for name, value in zip(values, chosen, strict=True) if value is not absent)
+        lines.append(orjson.dumps(record))
+        lines.append(orjson.dumps({**record, "action_id": f"b{n}", "prompt": "p"}))  # a field no rule reads
+    path = _write(str(tmp_path), "traced.jsonl", lines)
+    for fmt in ("json", "text"):
+        _both(["--pack", "durable-sessions", "--format", fmt, path], capsys)
+    _, out, _ = _run(["replay", "--pack", "durable-sessions", "--format", "json", path], capsys)
+    violations = orjson.loads(out)["violations"]
+    assert len(violations) == len(lines)
+    named = [v for v in violations if v.get("trace_id") and v.get("service")]
+    assert len(named) == 2 * 4  # a trace and a service set: the span id absent, null, empty or set
+    assert sorted(v["span_id"] for v in named) == ["", "", "", "", "", "", "00f067aa0ba902b7", "00f067aa0ba902b7"]
+
+
 # Lines with whitespace around them (a cut line often ends in a space): parse_line strips them,
 # so does the lane, whatever the JSON inside (valid, cut, a comment, nothing).
 _pads = st.sampled_from([b" ", b"\t", b"\x0c", b"  \x0b", b"\r"])

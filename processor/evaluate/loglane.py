@@ -69,7 +69,6 @@ from processor.evaluate.model import MessageTemplate
 from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
 from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block, printable
 from processor.summary import EngineSummary, SessionSummary
-from processor.violations import make_violation_id
 
 if TYPE_CHECKING:
     from processor.evaluate.engine import Engine, _Plan
@@ -78,6 +77,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("durable_check.replay")
 
 _MISSING_KEPT: Final = object()
+# A violation's id is processor.violations.make_violation_id's; the lane computes it inline.
+_sha256: Final = hashlib.sha256
 # Action ids longer than this are remembered as a 16-byte digest (the engine's), shorter ones as themselves.
 _SHORT_ID: Final = 16
 # What the typed decoder raises for a line it does not take (the general path then reads it).
@@ -153,7 +154,6 @@ class LogLane:
             else:
                 self._decode = decoders.strict
                 self._open_decode = _confirmed(decoders.lenient)
-                self._typed_get = _typed_getter(decoders.unset)
         self._malformed_offset = len(self._generated.plans)
         helpers = {"_text": _text, "_p": _printable}
         # Per malformed rule: its message and the message as the text report prints it, or
@@ -353,7 +353,7 @@ class LogLane:
                         assert generated is not None
                         action_id = record.action_id if is_typed else record["action_id"]
                         if len(hits) > 1 or not (single_text or single_json):
-                            self._emit(hits, record, is_typed, session_id, action_id, number, t, origin)
+                            self._emit(hits, record, is_typed, session_id, action_id, kind, number, t, origin)
                             hits.clear()
                             continue
                         # The common case, inline: one violation on a line.
@@ -365,15 +365,21 @@ class LogLane:
                         first = views.pop(position, None) if position >= conditions else None
                         if single_json:
                             message = generated.messages[position](record, first, number, t)
-                            get = self._typed_get if is_typed else dict.get
+                            get = getattr if is_typed else dict.get
                             plan = generated.plans[position]
-                            objects.append(violation_json(plan, record, get, number, t, origin, message))
+                            objects.append(violation_json(plan, record, get, session_id, action_id, kind, number, t,
+                                                          origin, message))
                             if len(objects) >= JSON_BLOCK:
                                 self._flush()
                             continue
+                        message = generated.printed[position](record, first, number, t)
+                        span_id = record.span_id if is_typed else record.get("span_id")
+                        if type(span_id) is str and span_id:
+                            where = _span_where(record, is_typed, session_id, action_id, span_id, number)
+                            lines.append(f"{where}: {generated.heads[position]}{message}")
+                            continue
                         if not (action_id.isascii() and action_id.isprintable()):
                             action_id = printable(action_id)
-                        message = generated.printed[position](record, first, number, t)
                         lines.append(f"line {number} [{action_id}]: {generated.heads[position]}{message}")
                 if decode is not None:
                     self.stretch_lines["strict" if decode is strict else "open"] += len(stretch)
@@ -491,7 +497,7 @@ class LogLane:
     # -- violations ---------------------------------------------------------------------
 
     def _emit(  # noqa: PLR0917 (the hot path passes positions, not names)
-        self, hits: list[int], record: Any, is_typed: bool, session_id: str, action_id: str, line: int,
+        self, hits: list[int], record: Any, is_typed: bool, session_id: str, action_id: str, kind: str, line: int,
         t: int | None, origin: str,
     ) -> None:
         """The violations of one record (a dict, or a typed line), written in the report's order (rule id)."""
@@ -501,7 +507,11 @@ class LogLane:
         ordered = hits if len(hits) == 1 else sorted(hits, key=generated.rank.__getitem__)
         conditions = len(self._conditions)
         if self._text:
-            prefix = f"line {line} [{_printable(action_id)}]: "
+            span_id = record.span_id if is_typed else record.get("span_id")
+            if type(span_id) is str and span_id:
+                prefix = f"{_span_where(record, is_typed, session_id, action_id, span_id, line)}: "
+            else:
+                prefix = f"line {line} [{_printable(action_id)}]: "
             if self._several:
                 prefix = f"{_printable(origin)}: {prefix}"
             heads = generated.heads
@@ -511,12 +521,13 @@ class LogLane:
                 first = self._views.pop(position, None) if position >= conditions else None
                 self._lines.append(prefix + heads[position] + printed[position](record, first, line, t))
             return
-        get = self._typed_get if is_typed else dict.get
+        get = getattr if is_typed else dict.get
         for position in ordered:
             tally[position] += 1
             first = self._views.pop(position, None) if position >= conditions else None
             message = generated.messages[position](record, first, line, t)
-            self._add_json(self._violation_json(generated.plans[position], record, get, line, t, origin, message))
+            self._add_json(self._violation_json(generated.plans[position], record, get, session_id, action_id, kind,
+                                                line, t, origin, message))
 
     def _tally(self, session_id: str | None) -> list[int]:
         """The session's violations per rule position (None: malformed lines without a session).
@@ -552,6 +563,9 @@ class LogLane:
         plan: _Plan,
         record: Any,
         get: Callable[[Any, str], Any],
+        session_id: str,
+        action_id: str,
+        kind: str,
         line: int,
         t: int | None,
         origin: str,
@@ -559,19 +573,22 @@ class LogLane:
     ) -> dict[str, Any]:
         """Violation.to_json() of the engine's violation on this record, built directly.
 
-        ``get(record, field)``: the field's value or None (``dict.get``, or ``_typed_getter``'s).
+        ``session_id``, ``action_id``, ``kind``: the record's (required, so strings). ``get(record,
+        field)`` reads the optional ones: ``dict.get``, or ``getattr`` for a typed line, whose
+        absent field is the decoder's unset marker (not a string, so it counts as absent here).
         """
-        session_id = get(record, "session_id")
-        action_id = get(record, "action_id")
         out: dict[str, Any] = {
-            "violation_id": make_violation_id(plan.id, session_id, action_id, f"line:{origin}:{line}"),
+            # make_violation_id(plan.id, session_id, action_id, f"line:{origin}:{line}"), in one step.
+            "violation_id": _sha256(
+                f"{plan.id}\x1f{session_id}\x1f{action_id}\x1fline:{origin}:{line}".encode()
+            ).hexdigest()[:32],
             "rule": plan.id,
             "name": plan.name,
             "severity": plan.severity,
             "session_id": session_id,
             "action_id": action_id,
             "message": message,
-            "kind": get(record, "kind"),
+            "kind": kind,
             "line": line,
         }
         if origin:
@@ -1109,6 +1126,17 @@ def _text(value: Any, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _span_where(  # noqa: PLR0917 (the hot path passes positions, not names)
+    record: Any, is_typed: bool, session_id: str, action_id: str, span_id: str, line: int
+) -> str:
+    """Where the text report says a record with a span id is (``processor.report._where``): the
+    ids that find it in a trace viewer after its line, each escaped as the report escapes it."""
+    trace_id = record.trace_id if is_typed else record.get("trace_id")
+    trace = _printable(trace_id) if type(trace_id) is str and trace_id else "-"
+    return (f"line {line}: session {_printable(session_id) or '-'} action {_printable(action_id) or '-'} "
+            f"trace {trace} span {_printable(span_id)}")
+
+
 def _printable(text: str) -> str:
     """processor.report.printable for a short value: most need no escaping, and say so cheaply."""
     return text if text.isascii() and text.isprintable() else text.translate(CONTROL_ESCAPES)
@@ -1132,14 +1160,3 @@ def _confirmed(lenient: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
         return typed
 
     return decode
-
-
-def _typed_getter(unset: Any) -> Callable[[Any, str], Any]:
-    """``dict.get`` for a typed line: the field's value, None when absent."""
-
-    def get(record: Any, name: str) -> Any:
-        value = getattr(record, name)
-        return None if value is unset else value
-
-    return get
-

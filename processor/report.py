@@ -156,13 +156,14 @@ def _where(v: Violation, several_inputs: bool) -> str:
         if v.line is not None:
             return f"{prefix}line {v.line} [{v.action_id or '-'}]"
         return f"{prefix}session {v.session_id or '-'} action {v.action_id or '-'}"
-    # A span (or a record converted from one): the ids that find it in a trace viewer,
-    # after the line of the OTLP JSON-lines file it was read from.
-    line = f"line {v.line}: " if v.line is not None else ""
-    return (
-        f"{prefix}{line}session {v.session_id or '-'} action {v.action_id or '-'} "
-        f"trace {v.trace_id or '-'} span {v.span_id}"
-    )
+    return prefix + span_where(v.line, v.session_id, v.action_id, v.trace_id, v.span_id)
+
+
+def span_where(line: int | None, session_id: str, action_id: str, trace_id: str, span_id: str) -> str:
+    """Where a violation on a span (or on a record that names one) is: the ids that find it in
+    a trace viewer, after the line of the file it was read from."""
+    at = f"line {line}: " if line is not None else ""
+    return f"{at}session {session_id or '-'} action {action_id or '-'} trace {trace_id or '-'} span {span_id}"
 
 
 def write_text(report: Report, out: TextIO) -> None:

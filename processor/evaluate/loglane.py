@@ -67,8 +67,9 @@ from processor.evaluate.cel._codegen import Conjunct, conjuncts, facts_when_true
 from processor.evaluate.engine import malformed_violation
 from processor.evaluate.model import MessageTemplate
 from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
-from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block, printable
+from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block, printable, span_where
 from processor.summary import EngineSummary, SessionSummary
+from processor.violations import make_violation_id
 
 if TYPE_CHECKING:
     from processor.evaluate.engine import Engine, _Plan
@@ -77,8 +78,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("durable_check.replay")
 
 _MISSING_KEPT: Final = object()
-# A violation's id is processor.violations.make_violation_id's; the lane computes it inline.
-_sha256: Final = hashlib.sha256
 # Action ids longer than this are remembered as a 16-byte digest (the engine's), shorter ones as themselves.
 _SHORT_ID: Final = 16
 # What the typed decoder raises for a line it does not take (the general path then reads it).
@@ -373,14 +372,8 @@ class LogLane:
                                 self._flush()
                             continue
                         message = generated.printed[position](record, first, number, t)
-                        span_id = record.span_id if is_typed else record.get("span_id")
-                        if type(span_id) is str and span_id:
-                            where = _span_where(record, is_typed, session_id, action_id, span_id, number)
-                            lines.append(f"{where}: {generated.heads[position]}{message}")
-                            continue
-                        if not (action_id.isascii() and action_id.isprintable()):
-                            action_id = printable(action_id)
-                        lines.append(f"line {number} [{action_id}]: {generated.heads[position]}{message}")
+                        where = _where(record, is_typed, session_id, action_id, number)
+                        lines.append(f"{where}: {generated.heads[position]}{message}")
                 if decode is not None:
                     self.stretch_lines["strict" if decode is strict else "open"] += len(stretch)
                 if decode is strict and refused > len(stretch) * _TYPED_MISS_SHARE:
@@ -507,11 +500,7 @@ class LogLane:
         ordered = hits if len(hits) == 1 else sorted(hits, key=generated.rank.__getitem__)
         conditions = len(self._conditions)
         if self._text:
-            span_id = record.span_id if is_typed else record.get("span_id")
-            if type(span_id) is str and span_id:
-                prefix = f"{_span_where(record, is_typed, session_id, action_id, span_id, line)}: "
-            else:
-                prefix = f"line {line} [{_printable(action_id)}]: "
+            prefix = f"{_where(record, is_typed, session_id, action_id, line)}: "
             if self._several:
                 prefix = f"{_printable(origin)}: {prefix}"
             heads = generated.heads
@@ -578,10 +567,7 @@ class LogLane:
         absent field is the decoder's unset marker (not a string, so it counts as absent here).
         """
         out: dict[str, Any] = {
-            # make_violation_id(plan.id, session_id, action_id, f"line:{origin}:{line}"), in one step.
-            "violation_id": _sha256(
-                f"{plan.id}\x1f{session_id}\x1f{action_id}\x1fline:{origin}:{line}".encode()
-            ).hexdigest()[:32],
+            "violation_id": make_violation_id(plan.id, session_id, action_id, f"line:{origin}:{line}"),
             "rule": plan.id,
             "name": plan.name,
             "severity": plan.severity,
@@ -1126,15 +1112,15 @@ def _text(value: Any, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _span_where(  # noqa: PLR0917 (the hot path passes positions, not names)
-    record: Any, is_typed: bool, session_id: str, action_id: str, span_id: str, line: int
-) -> str:
-    """Where the text report says a record with a span id is (``processor.report._where``): the
-    ids that find it in a trace viewer after its line, each escaped as the report escapes it."""
+def _where(record: Any, is_typed: bool, session_id: str, action_id: str, line: int) -> str:
+    """Where the text report says a violation on this record is (``processor.report._where``,
+    escaped as the report escapes its lines): by its line and action id, or by its ids when
+    the record names a span."""
+    span_id = record.span_id if is_typed else record.get("span_id")
+    if not (type(span_id) is str and span_id):
+        return f"line {line} [{_printable(action_id)}]"
     trace_id = record.trace_id if is_typed else record.get("trace_id")
-    trace = _printable(trace_id) if type(trace_id) is str and trace_id else "-"
-    return (f"line {line}: session {_printable(session_id) or '-'} action {_printable(action_id) or '-'} "
-            f"trace {trace} span {_printable(span_id)}")
+    return _printable(span_where(line, session_id, action_id, trace_id if type(trace_id) is str else "", span_id))
 
 
 def _printable(text: str) -> str:

@@ -317,11 +317,11 @@ class PostgresStore(SqlStateStore):
         for number, (_, packed, released, body) in enumerate(moved, start=int(top[0]) + 1):
             arrivals = [a + offset for a in unpack_arrivals(bytes(packed))]
             spans = orjson.loads(bytes(body))
-            for index, entry in enumerate(spans):
+            for entry in spans:
                 if type(entry) is list:  # a row, the arrival first (engine.buffered_rows)
                     entry[0] = int(entry[0]) + offset
                 else:  # the object form of schema version 2
-                    spans[index] = {**entry, "arrival": int(entry["arrival"]) + offset}
+                    entry["arrival"] = int(entry["arrival"]) + offset
             self.execute(
                 "INSERT INTO buffer_segments (replica_id, segment, first_arrival, last_arrival, arrivals, released,"
                 " body) VALUES (?, ?, ?, ?, ?, ?, ?)",

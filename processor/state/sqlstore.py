@@ -610,4 +610,4 @@ def _split_engine_state(
     state.added = []
     state.released = []
     # The new spans only, each as the engine's row of it (buffered_rows).
-    return head, gone, buffered_rows(fresh) if fresh else []
+    return head, gone, buffered_rows(fresh)

@@ -309,7 +309,10 @@ def test_a_state_file_whose_buffered_spans_are_objects_is_read_and_goes_on(tmp_p
     restored = Engine(shipped(), EngineOptions(), again)
     expected = Engine(shipped(), EngineOptions(), rows_store)
     more = [spans(8.0, "s3", kind="payment"), spans(10.0, "s3")]
-    found = restored.submit_many(more) + restored.finish()
+    found = restored.submit_many(more)
+    newest = again.query("SELECT body FROM buffer_segments ORDER BY segment DESC LIMIT 1")
+    assert newest and all(type(e) is list for e in orjson.loads(bytes(newest[0][0])))  # new spans: rows
+    found += restored.finish()
     assert fired(found) == fired(expected.submit_many(more) + expected.finish())
     again.close()
     rows_store.close()

@@ -74,14 +74,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from google.protobuf.message import DecodeError
+
 from processor.convert.spans import SpanConverter
 from processor.errors import StateError
-from processor.receive.otlp_common import (
-    RequestDecodeError,
-    parse_protobuf,
-    partial_success_message,
-    rejected_span_count,
-)
+from processor.receive.otlp_common import partial_success_message, rejected_span_count
 from processor.receive.queue import Ack, Batch, IngestQueue, ProcessingFailed
 from processor.records import Action, Malformed, SessionMark
 from processor.state.base import StateStore
@@ -463,7 +460,12 @@ class EvaluatorWorker:
         seq = self._seq
         for batch in group:
             try:
-                result = self._converter.convert(batch.request, batch.origin, seq)
+                if batch.body is not None:
+                    # The bytes as received: read with attributes as a map, the wanted keys picked
+                    # out in C (the parsed request's attributes would be walked in Python).
+                    result = self._converter.convert_serialized(batch.body, batch.origin, seq)
+                else:
+                    result = self._converter.convert(batch.request, batch.origin, seq)
             except Exception as exc:  # one bad request must not stop the others
                 log.error("converting a request of %d spans failed: %s", batch.span_count, type(exc).__name__,
                           exc_info=log.isEnabledFor(logging.DEBUG))
@@ -767,13 +769,13 @@ class EvaluatorWorker:
         entry = work.entry
         if entry is None:
             return []
+        work.request = None  # forwarded already (before the stop) or never: not again
         try:
-            request = parse_protobuf(entry.body)
-        except RequestDecodeError:
+            # As it was converted when it arrived (convert_serialized): the same items, the same seqs.
+            result = self._converter.convert_serialized(entry.body, entry.origin, entry.seq_base)
+        except DecodeError:
             log.error("a journaled request could not be read back; it is skipped")
             return []
-        work.request = None  # forwarded already (before the stop) or never: not again
-        result = self._converter.convert(request, entry.origin, entry.seq_base)
         undecoded = [Malformed(message=p, origin=entry.origin, source="span") for p in entry.problems]
         return [*result.marks, *result.actions, *result.rejected, *undecoded]
 

@@ -770,6 +770,9 @@ class EvaluatorWorker:
         if entry is None:
             return []
         work.request = None  # forwarded already (before the stop) or never: not again
+        if entry.damaged is not None:
+            log.error("journaled request %d could not be read back (%s); it is skipped", entry.id, entry.damaged)
+            return []
         try:
             # As it was converted when it arrived (convert_serialized): the same items, the same seqs.
             result = self._converter.convert_serialized(entry.body, entry.origin, entry.seq_base)

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from processor.errors import StateError
 from processor.evaluate.engine import Engine, EngineOptions, buffer_row_plain
-from processor.state.bufferrows import live_entries
+from processor.state.bufferrows import live_entries, segment_spans
 from processor.state.postgres import PostgresStore
 from processor.state.session import CountState, RuleSchema, SessionState, group_key
 from processor.state.session import key_digest as K  # the engine keys every group by a digest
@@ -258,7 +258,7 @@ def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) ->
         conn.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (orjson.dumps(plain), sid))
     conn.execute("DELETE FROM session_deltas")
     # ... and each buffered span in a row of its own, in the object form of that time.
-    rows = live_entries(conn.execute("SELECT body, released FROM buffer_segments"))
+    rows = live_entries(conn.execute("SELECT segment, body, released FROM buffer_segments"))
     buffered = [buffer_row_plain(row) for row in rows]
     assert buffered, "the workload must leave spans in the reordering buffer"
     conn.execute("CREATE TABLE engine_buffer (replica_id TEXT NOT NULL, arrival INTEGER NOT NULL,"
@@ -295,9 +295,9 @@ def test_a_state_file_whose_buffered_spans_are_objects_is_read_and_goes_on(tmp_p
     first.close()
     conn = sqlite3.connect(path)
     segments = conn.execute("SELECT segment, body FROM buffer_segments").fetchall()
-    assert segments and all(type(e) is list for _, body in segments for e in orjson.loads(body))
+    assert segments and all(type(e) is list for segment, body in segments for e in segment_spans(segment, body))
     for segment, body in segments:
-        objects = [buffer_row_plain(e) for e in orjson.loads(body)]
+        objects = [buffer_row_plain(e) for e in segment_spans(segment, body)]
         conn.execute("UPDATE buffer_segments SET body = ? WHERE segment = ?", (orjson.dumps(objects), segment))
     conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
     conn.commit()
@@ -310,8 +310,8 @@ def test_a_state_file_whose_buffered_spans_are_objects_is_read_and_goes_on(tmp_p
     expected = Engine(shipped(), EngineOptions(), rows_store)
     more = [spans(8.0, "s3", kind="payment"), spans(10.0, "s3")]
     found = restored.submit_many(more)
-    newest = again.query("SELECT body FROM buffer_segments ORDER BY segment DESC LIMIT 1")
-    assert newest and all(type(e) is list for e in orjson.loads(bytes(newest[0][0])))  # new spans: rows
+    newest = again.query("SELECT segment, body FROM buffer_segments ORDER BY segment DESC LIMIT 1")
+    assert newest and all(type(e) is list for e in segment_spans(*newest[0]))  # new spans: rows
     found += restored.finish()
     assert fired(found) == fired(expected.submit_many(more) + expected.finish())
     again.close()
@@ -334,7 +334,7 @@ def test_a_state_file_of_an_unknown_layout_is_refused_naming_it(tmp_path: Path) 
 def _buffer_rows(store: SqlStateStore) -> list[tuple[int, int]]:
     """(segment, spans still held) of each stored buffer segment."""
     rows = store.query("SELECT segment, body, released FROM buffer_segments ORDER BY segment")
-    return [(int(segment), len(live_entries([(body, released)]))) for segment, body, released in rows]
+    return [(int(segment), len(live_entries([(segment, body, released)]))) for segment, body, released in rows]
 
 
 def test_the_reordering_buffer_is_written_as_one_segment_per_commit(open_store: Callable[[], SqlStateStore]) -> None:

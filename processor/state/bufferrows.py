@@ -14,6 +14,10 @@ disjoint ranges of them, and an arrival is found by bisection (spans adopted fro
 stopped replica are renumbered below this replica's own, still disjoint). The store
 keeps the index (:class:`BufferSegments`) in memory and changes it only once a
 transaction committed (:meth:`BufferSegments.apply`).
+
+A segment's body is stored as a zstd frame (schema version 4, :mod:`processor.state.compression`):
+the rows repeat the same keys, sessions and origins, and the body is read only after a
+restart. A body of version 3 or earlier, the JSON itself, is read as it is.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from processor.errors import StateError
+from processor.state.compression import DamagedBody, compress, decompress_segment
 
 
 def pack_arrivals(arrivals: Sequence[int]) -> bytes:
@@ -137,7 +144,7 @@ class BufferSegments:
             spans = sorted(added, key=lambda item: item[0])
             arrivals = array("q", (a for a, _ in spans))
             released = bytearray((len(spans) + 7) // 8)
-            body = orjson.dumps([plain for _, plain in spans], default=str, option=orjson.OPT_NON_STR_KEYS)
+            body = compress(orjson.dumps([plain for _, plain in spans], default=str, option=orjson.OPT_NON_STR_KEYS))
             write.new = Segment(self._next, arrivals, released, len(spans))
             write.insert = (self._next, arrivals[0], arrivals[-1], arrivals.tobytes(), bytes(released), body)
         return write
@@ -164,12 +171,21 @@ def entry_arrival(entry: Any) -> int:
     return int(entry[0]) if type(entry) is list else int(entry["arrival"])
 
 
-def live_entries(rows: Iterable[tuple[bytes, bytes]]) -> list[Any]:
-    """The buffered spans still held by stored segments (body, released bitmap), in arrival order,
-    as they are stored (rows, or entries of the older object form)."""
+def segment_spans(segment: int, body: bytes) -> list[Any]:
+    """Every span a stored segment body holds, as stored (rows, or entries of the older object form)."""
+    try:
+        spans: list[Any] = orjson.loads(decompress_segment(bytes(body)))
+    except (DamagedBody, orjson.JSONDecodeError) as exc:
+        raise StateError(f"the reordering buffer's segment {segment} is damaged: {exc}") from None
+    return spans
+
+
+def live_entries(rows: Iterable[tuple[int, bytes, bytes]]) -> list[Any]:
+    """The buffered spans still held by stored segments (segment, body, released bitmap), in arrival
+    order, as they are stored (rows, or entries of the older object form)."""
     out: list[Any] = []
-    for body, released in rows:
+    for segment, body, released in rows:
         bitmap = bytes(released)
-        out.extend(e for i, e in enumerate(orjson.loads(bytes(body))) if not is_released(bitmap, i))
+        out.extend(e for i, e in enumerate(segment_spans(int(segment), body)) if not is_released(bitmap, i))
     out.sort(key=entry_arrival)
     return out

@@ -11,8 +11,13 @@ one transaction, so many requests share one fsync. A request journaled whose
 acknowledgement never reached the client (a crash in between) comes back as the
 client's retry; the engine's duplicate detection (a span's delivery key) absorbs it.
 
-The journal is bounded (``max_bytes`` of unprocessed requests): past the bound a
-request is refused with :class:`~processor.state.faults.JournalFull`, which the
+A request's bytes are stored as a zstd frame (``processor.state.compression``): the journal
+writes every request once more than the network carried it, and compressed that costs
+several times less disk and write-ahead log. Rows of schema version 3, stored as they
+came, are read as they are.
+
+The journal is bounded (``max_bytes`` of unprocessed requests, counted as received, not
+as stored): past the bound a request is refused with :class:`~processor.state.faults.JournalFull`, which the
 receivers answer as "retry later". What it holds is published as
 ``durable_check_journal_depth`` (requests) and ``durable_check_journal_bytes``.
 """
@@ -26,6 +31,7 @@ from typing import Final, Literal
 import orjson
 
 from processor.errors import StateError
+from processor.state.compression import COMPRESSED_SUFFIX, DamagedBody, compress, decompress
 from processor.state.faults import JournalFull
 from processor.state.sqlstore import SqlStateStore, UnitOp
 from processor.telemetry import Telemetry
@@ -64,6 +70,9 @@ class JournalEntry:
     problems: list[str]
     size: int
     body: bytes
+    # Why the stored request cannot be read back (its body is damaged, or of a kind this build
+    # does not know); ``body`` is then empty and the entry is skipped when evaluated.
+    damaged: str | None = None
 
 
 class Journal:
@@ -107,12 +116,14 @@ class Journal:
         """
         outcome: list[int | StateError] = []
         added_bytes = 0
+        # Compressed once, outside the transaction (which may run again after a conflict).
+        stored = [compress(entry.body) for entry in entries]
 
         def op() -> None:
             nonlocal added_bytes
             outcome.clear()
             added_bytes = 0
-            for entry in entries:
+            for index, entry in enumerate(entries):
                 size = len(entry.body)
                 # An empty journal takes any request, so one larger than the bound still gets through.
                 if self.pending_bytes + added_bytes > 0 and self.pending_bytes + added_bytes + size > self.max_bytes:
@@ -128,8 +139,9 @@ class Journal:
                 row = self._store.execute(
                     "INSERT INTO journal (replica_id, kind, protocol, origin, received_ns, seq_base, problems, size,"
                     " body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                    (self._store.replica_id, entry.kind, entry.protocol, entry.origin, entry.received_ns,
-                     entry.seq_base, orjson.dumps(entry.problems).decode(), size, entry.body),
+                    (self._store.replica_id, entry.kind + COMPRESSED_SUFFIX, entry.protocol, entry.origin,
+                     entry.received_ns, entry.seq_base, orjson.dumps(entry.problems).decode(), size,
+                     stored[index]),
                 ).fetchone()
                 outcome.append(int(row[0]))
                 added_bytes += size
@@ -141,17 +153,23 @@ class Journal:
         return outcome
 
     def pending(self, after_id: int = 0, limit: int = 256) -> list[JournalEntry]:
-        """Entries not yet done, oldest first, with ids above ``after_id``."""
+        """Entries not yet done, oldest first, with ids above ``after_id`` (one that cannot be read
+        back says why in ``damaged``)."""
         rows = self._store.query(
             "SELECT id, kind, protocol, origin, received_ns, seq_base, problems, size, body FROM journal"
             " WHERE replica_id = ? AND id > ? ORDER BY id LIMIT ?",
             (self._store.replica_id, after_id, limit),
         )
-        return [
-            JournalEntry(int(r[0]), r[1], str(r[2]), str(r[3]), int(r[4]), int(r[5]), list(orjson.loads(r[6])),
-                         int(r[7]), bytes(r[8]))
-            for r in rows
-        ]
+        out: list[JournalEntry] = []
+        for r in rows:
+            damaged: str | None = None
+            try:
+                body = _stored_body(str(r[1]), int(r[7]), bytes(r[8]))
+            except DamagedBody as exc:
+                body, damaged = b"", str(exc)
+            out.append(JournalEntry(int(r[0]), "otlp", str(r[2]), str(r[3]), int(r[4]), int(r[5]),
+                                    list(orjson.loads(r[6])), int(r[7]), body, damaged))
+        return out
 
     def done_in_unit(self, entries: Sequence[tuple[int, int]]) -> None:
         """Delete ``entries`` (id, size) in the open unit of work: done exactly when the state they produced
@@ -170,3 +188,12 @@ class Journal:
             self._publish()
 
         self._store.in_unit(op, after)
+
+
+def _stored_body(kind: str, size: int, stored: bytes) -> bytes:
+    """A request's bytes from its row: unpacked when its kind says so (schema 4), else as stored."""
+    if kind == "otlp" + COMPRESSED_SUFFIX:
+        return decompress(stored, size)
+    if kind == "otlp":
+        return stored
+    raise DamagedBody(f"its kind {kind!r} is not one this build can evaluate")

@@ -36,11 +36,11 @@ import socket
 from collections.abc import Sequence
 from typing import Any, Final
 
-import orjson
 import psycopg
 
 from processor.errors import StateError
-from processor.state.bufferrows import pack_arrivals, unpack_arrivals
+from processor.state.bufferrows import pack_arrivals, segment_spans, unpack_arrivals
+from processor.state.compression import compress
 from processor.state.faults import SessionOwnedElsewhere, postgres_error
 from processor.state.sessionrows import dumps
 from processor.state.sqlstore import TABLES, SqlStateStore
@@ -314,9 +314,9 @@ class PostgresStore(SqlStateStore):
             (dead,),
         ).fetchall()
         self.execute("DELETE FROM buffer_segments WHERE replica_id = ?", (dead,))
-        for number, (_, packed, released, body) in enumerate(moved, start=int(top[0]) + 1):
+        for number, (segment, packed, released, body) in enumerate(moved, start=int(top[0]) + 1):
             arrivals = [a + offset for a in unpack_arrivals(bytes(packed))]
-            spans = orjson.loads(bytes(body))
+            spans = segment_spans(int(segment), bytes(body))
             for entry in spans:
                 if type(entry) is list:  # a row, the arrival first (engine.buffered_rows)
                     entry[0] = int(entry[0]) + offset
@@ -325,7 +325,8 @@ class PostgresStore(SqlStateStore):
             self.execute(
                 "INSERT INTO buffer_segments (replica_id, segment, first_arrival, last_arrival, arrivals, released,"
                 " body) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (me, number, arrivals[0], arrivals[-1], pack_arrivals(arrivals), bytes(released), dumps(spans)),
+                (me, number, arrivals[0], arrivals[-1], pack_arrivals(arrivals), bytes(released),
+                 compress(dumps(spans))),
             )
         self.execute("DELETE FROM engine WHERE replica_id = ?", (dead,))
         self.execute("DELETE FROM engine_traces WHERE replica_id = ?", (dead,))

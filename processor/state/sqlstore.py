@@ -45,13 +45,16 @@ from processor.state.tracerows import StoredTraces, TraceWrite
 
 log = logging.getLogger(__name__)
 
+# 4: journal request bodies and buffer segment bodies are zstd frames (processor.state.compression);
+# version 3's, stored as they were, are read as they are (a version 3 database needs no change but
+# its version number, and a build that reads version 3 only refuses a version 4 database).
 # 3: a buffered span is stored as an array of its fields (engine.buffered_rows); 2 stored it as
 # an object, still read as it is (a version 2 database needs no change but its version number).
 # 2: a session is a base and deltas (processor.state.sessionrows), the reordering buffer is in
 # segments (processor.state.bufferrows), recent traces are rows (processor.state.tracerows);
 # 1 kept each session whole (a base without deltas, as it is), each buffered span in a row and
 # the traces in the engine row (read as they are), and is migrated at open.
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
 TABLES: Final = (
@@ -181,13 +184,15 @@ class SqlStateStore(StateStore):
             self.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         elif int(found[0]) == 1:
             self._migrate_whole_sessions(where)
-        elif int(found[0]) == 2:
-            # What changed is how new buffered spans are written; version 2's are read as they are.
+        elif int(found[0]) in (2, 3):
+            # What changed is how new rows are written (version 3: buffered spans; 4: journal and
+            # buffer bodies compressed); the older rows are read as they are.
             self.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
-            log.warning("the state database %s was migrated from schema version 2 to %d", where, SCHEMA_VERSION)
+            log.warning("the state database %s was migrated from schema version %s to %d", where, found[0],
+                        SCHEMA_VERSION)
         elif int(found[0]) != SCHEMA_VERSION:
             raise StateError(f"the state database {where} has schema version {found[0]}, which this build "
-                             f"cannot read (it reads version {SCHEMA_VERSION} and migrates versions 1 and 2): run the "
+                             f"cannot read (it reads version {SCHEMA_VERSION} and migrates versions 1 to 3): run the "
                              "durable-check release that wrote it, or move the database aside to start with "
                              "empty state")
 
@@ -468,7 +473,8 @@ class SqlStateStore(StateStore):
     def engine_plain(self, replica_id: str) -> dict[str, Any] | None:
         """A replica's engine-wide state as plain data, its reordering buffer put back together."""
         rows = self.query("SELECT body FROM engine WHERE replica_id = ?", (replica_id,))
-        buffered = self.query("SELECT body, released FROM buffer_segments WHERE replica_id = ?", (replica_id,))
+        buffered = self.query("SELECT segment, body, released FROM buffer_segments WHERE replica_id = ?",
+                              (replica_id,))
         if not rows and not buffered:
             return None
         if rows:

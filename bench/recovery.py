@@ -95,7 +95,7 @@ def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
             with sqlite3.connect(db) as connection:
                 journal, journal_bytes = connection.execute(
                     "SELECT count(*), coalesce(sum(size), 0) FROM journal").fetchone()
-                window = len(live_entries(connection.execute("SELECT body, released FROM buffer_segments")))
+                window = len(live_entries(connection.execute("SELECT segment, body, released FROM buffer_segments")))
                 sessions = connection.execute("SELECT count(*) FROM sessions").fetchone()[0]
             db_bytes = sum(p.stat().st_size for p in work.glob("state.db*"))
             started = time.monotonic()

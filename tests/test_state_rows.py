@@ -389,3 +389,61 @@ def test_what_traces_named_is_written_a_trace_at_a_time(open_store: Callable[[],
     assert isinstance(restored, dict)
     assert restored["identity"] == checker._state.identity.to_plain()
     provider.shutdown()
+
+
+@pytest.mark.parametrize("seed", [3, 17])
+def test_traces_written_by_change_are_what_the_engine_holds_after_every_commit(
+        open_store: Callable[[], SqlStateStore], seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store writes the traces the engine noted as changed or forgotten, not all of them; after
+    every commit the rows, in their order, are the engine's traces, whatever happened to them:
+    new, touched again, held spans released in place by the clock, resolved, evicted past the
+    bound, forgotten when quiet. Both ways of planning the write are exercised."""
+    import processor.evaluate.identity as identity_module
+    from processor.state.tracerows import StoredTraces
+
+    monkeypatch.setattr(identity_module, "MAX_TRACES", 12)  # evictions
+    monkeypatch.setattr(identity_module, "MIN_TRACE_KEEP_NS", 1)  # quiet traces forgotten after 10 s
+    plans = {"all": 0, "changes": 0}
+    for name, key in (("plan", "all"), ("plan_changes", "changes")):
+        original = getattr(StoredTraces, name)
+
+        def counted(self: Any, *args: Any, _original: Any = original, _key: str = key) -> Any:
+            plans[_key] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(StoredTraces, name, counted)
+    rng = random.Random(seed)
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer, clock = provider.get_tracer("tests"), Clock()
+    store = open_store()
+    now = [clock.now]
+    checker = identity_engine(store, mode="serve", clock=lambda: now[0])
+    waiting: list[Any] = []
+    for step in range(60):
+        memory.clear()
+        for run in range(rng.randint(1, 4)):
+            named = rng.random() < 0.6
+            root = {"gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": f"conv-{step}-{run}"}
+            agent_run(tracer, clock, root if named else {}, [("chat", LLM)] * rng.randint(1, 3))
+        items = identity_convert(memory.get_finished_spans())
+        rng.shuffle(items)
+        # Some spans arrive a few steps late (their trace's other spans were held meanwhile).
+        late = [i for i in items if rng.random() < 0.2]
+        waiting.extend(late)
+        due = [w for w in waiting if rng.random() < 0.4]
+        waiting = [w for w in waiting if w not in due]
+        checker.submit_many([i for i in items if i not in late] + due)
+        if rng.random() < 0.3:
+            clock.now += rng.choice((2, 6, 30)) * 1_000_000_000  # the held are released; the quiet forgotten
+        now[0] = clock.now
+        checker.tick(now[0])
+        rows = [[str(t), orjson.loads(bytes(b))]
+                for t, b in store.query("SELECT trace_id, body FROM engine_traces ORDER BY ord")]
+        assert rows == checker._state.identity.to_plain()["traces"], f"step {step}"
+    assert plans["changes"] > 20 and plans["all"] >= 1, plans
+    restored = open_store().load_engine()
+    assert isinstance(restored, dict)
+    assert restored["identity"] == checker._state.identity.to_plain()
+    provider.shutdown()

@@ -486,7 +486,8 @@ class EngineState(EngineStateLike):
         self.added: list[_Buffered] | None = None
         self.released: list[int] | None = None
 
-    def to_plain(self) -> dict[str, Any]:
+    def to_plain(self, *, traces: bool = True) -> dict[str, Any]:
+        """Plain data; ``traces=False`` leaves the identity state's traces out (written by change)."""
         return {
             "max_event_ns": self.max_event_ns,
             "watermark_ns": self.watermark_ns,
@@ -503,7 +504,7 @@ class EngineState(EngineStateLike):
                 }
                 for b in sorted(self.buffer)
             ],
-            "identity": self.identity.to_plain(),
+            "identity": self.identity.to_plain(traces=traces),
         }
 
     @classmethod

@@ -117,12 +117,50 @@ class IdentityState:
         # (event time, seq, trace id) of held actions, earliest first; entries of actions
         # released meanwhile are skipped when they come up. Rebuilt on load, never stored.
         self.expiry: list[tuple[int, int, str]] = []
+        # Trace changes since a durable store last wrote the traces (None: nobody asked, nothing
+        # kept): the traces changed (every change also drops a trace's cached plain form), and
+        # those forgotten. A store then converts and compares those, not every recent trace.
+        self.touched: set[str] | None = None
+        self.forgotten: set[str] | None = None
 
-    def to_plain(self) -> dict[str, Any]:
+    def to_plain(self, *, traces: bool = True) -> dict[str, Any]:
+        """Plain data; ``traces=False`` leaves the traces out (a store that writes them by change)."""
         return {
             "max_event_ns": self.max_event_ns,
-            "traces": [[trace_id, trace.to_plain()] for trace_id, trace in self.traces.items()],
+            "traces": [[trace_id, trace.to_plain()] for trace_id, trace in self.traces.items()] if traces else [],
         }
+
+    def track_changes(self) -> None:
+        """From now on, note the traces changed and forgotten (until :meth:`take_changes`)."""
+        self.touched = set()
+        self.forgotten = set()
+
+    def take_changes(self) -> tuple[list[list[Any]] | None, list[str]]:
+        """The traces changed since the last call, as ``[trace id, plain]`` in their order, and the ids
+        forgotten; the first is None when a changed trace is not among the newest (it changed in
+        place, not moved), which a store that keeps the rows in order must handle by comparing all.
+        Tracking starts again from here."""
+        touched, forgotten = self.touched, self.forgotten
+        assert touched is not None and forgotten is not None, "track_changes() first"
+        self.touched, self.forgotten = set(), set()
+        traces = self.traces
+        newest = list(itertools.islice(reversed(traces), len(touched)))
+        if len(newest) != len(touched) or not touched.issuperset(newest):
+            return None, list(forgotten)
+        newest.reverse()
+        return [[trace_id, traces[trace_id].to_plain()] for trace_id in newest], list(forgotten)
+
+    def changed(self, trace_id: str) -> None:
+        if self.touched is not None:
+            self.touched.add(trace_id)
+
+    def forget(self, trace_id: str) -> _Trace:
+        trace = self.traces.pop(trace_id)
+        if self.forgotten is not None:
+            assert self.touched is not None
+            self.forgotten.add(trace_id)
+            self.touched.discard(trace_id)
+        return trace
 
     @classmethod
     def from_plain(cls, plain: Mapping[str, Any] | None) -> IdentityState:
@@ -167,6 +205,7 @@ class IdentityResolver:
         out: list[Action | Malformed] = []
         state = self.state
         traces = state.traces
+        touched = state.touched
         for item in items:
             if isinstance(item, Malformed):
                 out.append(item)
@@ -195,6 +234,8 @@ class IdentityResolver:
                 trace = known
                 traces.move_to_end(trace_id)
                 trace.plain = None
+                if touched is not None:
+                    touched.add(trace_id)
                 if time_ns is not None and time_ns > trace.last_ns:
                     trace.last_ns = time_ns
             if links.session_named and links.tool_name is None and not links.offered:
@@ -242,6 +283,7 @@ class IdentityResolver:
         if trace is not None:
             traces.move_to_end(trace_id)
             trace.plain = None  # whatever this item does to it
+            self.state.changed(trace_id)
             if time_ns is not None and time_ns > trace.last_ns:
                 trace.last_ns = time_ns
             return trace
@@ -251,7 +293,7 @@ class IdentityResolver:
                 (tid for tid, t in itertools.islice(traces.items(), _EVICTION_SCAN) if not t.held),
                 next(iter(traces)),
             )
-            forgotten = traces.pop(victim)
+            forgotten = self.state.forget(victim)
             self.state.held -= len(forgotten.held)
             # Released with what it can tell: a forgotten trace cannot answer any more.
             for held in forgotten.held:
@@ -261,6 +303,7 @@ class IdentityResolver:
         if time_ns is not None:
             trace.last_ns = time_ns
         traces[trace_id] = trace
+        self.state.changed(trace_id)
         return trace
 
     def _forget_quiet(self, before_ns: int) -> None:
@@ -270,7 +313,7 @@ class IdentityResolver:
             trace_id, trace = next(iter(traces.items()))
             if trace.held or trace.last_ns >= before_ns:
                 return
-            del traces[trace_id]
+            self.state.forget(trace_id)
 
     def _remember(self, trace: _Trace, span_id: str, parent: str, session: str | None, *, ancestor: bool) -> None:
         if ancestor and len(trace.parents) < MAX_SPANS_PER_TRACE:
@@ -403,20 +446,21 @@ class IdentityResolver:
         for trace_id in due_traces:
             trace = traces.get(trace_id)
             if trace is not None and trace.held:
-                self._release_in(trace, lambda held: (held.action.time_ns or 0) < watermark_ns, released)
+                self._release_in(trace_id, trace, lambda held: (held.action.time_ns or 0) < watermark_ns, released)
         self._emit(released, out)
 
     def _release_where(self, due: Any, out: list[Action | Malformed]) -> None:
         released: list[Action] = []
-        for trace in self.state.traces.values():
+        for trace_id, trace in self.state.traces.items():
             if trace.held:
-                self._release_in(trace, due, released)
+                self._release_in(trace_id, trace, due, released)
         self._emit(released, out)
 
-    def _release_in(self, trace: _Trace, due: Any, released: list[Action]) -> None:
+    def _release_in(self, trace_id: str, trace: _Trace, due: Any, released: list[Action]) -> None:
         keep = [held for held in trace.held if not due(held)]
         if len(keep) != len(trace.held):
             trace.plain = None
+            self.state.changed(trace_id)
             for held in trace.held:
                 if due(held):
                     self._resolve(trace, held.action, final=True)
@@ -430,13 +474,14 @@ class IdentityResolver:
         self._flush_forgotten(out)
 
     def _release_oldest(self, out: list[Action | Malformed]) -> None:
-        oldest: tuple[int, _Trace] | None = None
-        for trace in self.state.traces.values():
+        oldest: tuple[int, str, _Trace] | None = None
+        for trace_id, trace in self.state.traces.items():
             if trace.held and (oldest is None or trace.held[0].action.seq < oldest[0]):
-                oldest = (trace.held[0].action.seq, trace)
+                oldest = (trace.held[0].action.seq, trace_id, trace)
         if oldest is not None:
-            trace = oldest[1]
+            _, trace_id, trace = oldest
             trace.plain = None
+            self.state.changed(trace_id)
             action = trace.held.pop(0).action
             self._resolve(trace, action, final=True)
             out.append(action)

@@ -368,7 +368,7 @@ class SqlStateStore(StateStore):
                 self.executemany("UPDATE buffer_segments SET released = ? WHERE replica_id = ? AND segment = ?",
                                  [(bitmap, self.replica_id, segment) for segment, bitmap in buffered.updates])
             self.insert_segment(self.replica_id, buffered)
-            self._write_traces(head)
+            self._write_traces(engine)
             body = dumps(head)
         else:
             body = dumps(engine.to_plain())
@@ -379,15 +379,24 @@ class SqlStateStore(StateStore):
         )
         return buffered
 
-    def _write_traces(self, head: dict[str, Any]) -> None:
-        """Take the identity state's traces out of the engine's head and write those that changed."""
-        identity = head.get("identity")
-        if not isinstance(identity, dict) or not identity.get("traces"):
-            traces: list[Any] = []
+    def _write_traces(self, engine: Any) -> None:
+        """Write the identity state's traces that changed (the engine's head leaves them out).
+
+        The engine notes the traces it changes and forgets once asked to, so a commit converts
+        and compares those, not the thousands of recent traces; the first write after a
+        (re)build, and one where a trace changed without becoming the newest (its row would
+        be out of order), compare them all.
+        """
+        identity = engine.identity
+        write: TraceWrite | None = None
+        if identity.touched is None:
+            identity.track_changes()
         else:
-            traces = identity["traces"]
-            head["identity"] = {**identity, "traces": []}
-        write = self._traces.plan(traces)
+            changed, forgotten = identity.take_changes()
+            if changed is not None:
+                write = self._traces.plan_changes(changed, forgotten)
+        if write is None:
+            write = self._traces.plan(identity.to_plain()["traces"])
         if write.gone:
             self.executemany("DELETE FROM engine_traces WHERE replica_id = ? AND trace_id = ?",
                              [(self.replica_id, trace_id) for trace_id in write.gone])
@@ -599,7 +608,7 @@ def _split_engine_state(
     buffer = state.buffer
     state.buffer = []
     try:
-        head: dict[str, Any] = state.to_plain()
+        head: dict[str, Any] = state.to_plain(traces=False)  # the traces: _write_traces
     finally:
         state.buffer = buffer
     if state.added is None or state.released is None:

@@ -29,6 +29,8 @@ from processor.state.memory import MemoryStore
 from processor.state.postgres import PostgresStore
 from processor.state.session import (
     NO_GROUP,
+    SEEN_PACKED_MAX,
+    RuleSchema,
     SessionState,
     group_key,
     group_key_from_plain,
@@ -347,3 +349,20 @@ def test_file_scope_ids_are_digests_and_still_find_repeats() -> None:
     assert [v.rule for v in out if v.rule == "DS009"] == ["DS009"]
     groups = next(g for g in engine._file_groups.values() if g)
     assert all(type(k) is int for k in groups)
+
+
+def test_delivery_key_digests_are_listed_oldest_first_in_both_forms() -> None:
+    """Packed while few (big-endian words), an array past SEEN_PACKED_MAX: what a store writes is
+    the digests in arrival order either way, and a session read back holds the same."""
+    rng = random.Random(5)
+    digests = [rng.getrandbits(64) for _ in range(SEEN_PACKED_MAX + 30)]
+    session = SessionState("s1")
+    for count, digest in enumerate(digests, start=1):
+        assert not session.check_seen_packed(digest.to_bytes(8, "big"), 10_000)
+        assert session.seen_digests() == digests[:count]
+        assert isinstance(session.seen, bytes) == (count <= SEEN_PACKED_MAX), count
+    assert session.check_seen_packed(digests[3].to_bytes(8, "big"), 10_000)  # a redelivery
+    schema = RuleSchema(rule_ids=(), kinds=(), first_names=())
+    for size in (SEEN_PACKED_MAX, len(digests)):
+        plain = {"session_id": "s1", "kinds": {}, "seen": digests[:size]}
+        assert SessionState.from_plain(schema, plain).seen_digests() == digests[:size]

@@ -36,6 +36,7 @@ plain form is a dict of the present fields, so a rule file that changes
 
 from __future__ import annotations
 
+import sys
 from array import array
 from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -72,6 +73,7 @@ SMALL_GROUPS: Final = 8
 BUSY_COUNT: Final = 16
 # Up to this many delivery-key digests are packed in one bytes object (8 bytes each).
 SEEN_PACKED_MAX: Final = 64
+_LITTLE_ENDIAN: Final = sys.byteorder == "little"
 
 # Provenance of a record a violation may later be reported on (sequence ``report_on:
 # first`` and absence): what a Violation needs when the record itself is long gone.
@@ -642,7 +644,11 @@ class SessionState:
         if seen is None:
             return []
         if isinstance(seen, bytes):
-            return [int.from_bytes(seen[i : i + 8], "big") for i in range(0, len(seen), 8)]
+            # Big-endian words, read in one step (a store asks for them at every commit of the session).
+            words = array("Q", seen)
+            if _LITTLE_ENDIAN:
+                words.byteswap()
+            return words.tolist()
         return seen.digests()
 
     def waits(self, indices: Iterable[int] | None = None) -> list[tuple[int, GroupKey, Wait]]:

@@ -305,17 +305,27 @@ def test_a_state_file_whose_buffered_spans_are_objects_is_read_and_goes_on(tmp_p
 
     again = SqliteStore(path)
     assert again.meta_get("schema_version") == str(SCHEMA_VERSION)
-    assert again.load_engine() == rows_store.load_engine()
-    restored = Engine(shipped(), EngineOptions(), again)
-    expected = Engine(shipped(), EngineOptions(), rows_store)
-    more = [spans(8.0, "s3", kind="payment"), spans(10.0, "s3")]
-    found = restored.submit_many(more)
-    newest = again.query("SELECT segment, body FROM buffer_segments ORDER BY segment DESC LIMIT 1")
-    assert newest and all(type(e) is list for e in segment_spans(*newest[0]))  # new spans: rows
-    found += restored.finish()
-    assert fired(found) == fired(expected.submit_many(more) + expected.finish())
+    # New spans are written as rows.
+    assert_an_older_database_goes_on(again, rows_store, spans,
+                                     lambda segment, body: all(type(e) is list for e in segment_spans(segment, body)))
     again.close()
     rows_store.close()
+
+
+def assert_an_older_database_goes_on(again: SqlStateStore, reference: SqlStateStore, spans: Spans,
+                                     newest_segment: Callable[[int, bytes], bool]) -> None:
+    """A database of an older layout, read as it is, holds what ``reference`` (the same workload
+    written by this build) holds and goes on to the same verdicts; the segment the new spans
+    are written to is in this build's form (``newest_segment``)."""
+    assert again.load_engine() == reference.load_engine()
+    restored = Engine(shipped(), EngineOptions(), again)
+    expected = Engine(shipped(), EngineOptions(), reference)
+    more = [spans(8.0, "s3", kind="payment"), spans(10.0, "s3")]
+    found = restored.submit_many(more)
+    ((segment, body),) = again.query("SELECT segment, body FROM buffer_segments ORDER BY segment DESC LIMIT 1")
+    assert newest_segment(int(segment), bytes(body))
+    found += restored.finish()
+    assert fired(found) == fired(expected.submit_many(more) + expected.finish())
 
 
 def test_a_state_file_of_an_unknown_layout_is_refused_naming_it(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ def session_write(plain: Mapping[str, Any], before: Stored | None) -> SessionWri
             changed_groups += len(groups)
             changed_bytes += len(body)
     head = {k: v for k, v in plain.items() if k not in _NOT_HEAD}
-    added = _digests_added(digests if type(digests) is list else [int(d) for d in digests], before)
+    added = _digests_added(list(digests), before)
     if (before is not None and added is not None and before.deltas < MAX_DELTAS
             and before.delta_bytes + changed_bytes <= max(before.base_bytes, MIN_DELTA_BUDGET)):
         new_digests, forgotten = added

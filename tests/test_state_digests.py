@@ -28,8 +28,10 @@ from processor.state.base import StateStore, TimerEntry
 from processor.state.memory import MemoryStore
 from processor.state.postgres import PostgresStore
 from processor.state.session import (
+    MISSING,
     NO_GROUP,
     SEEN_PACKED_MAX,
+    SMALL_GROUPS,
     RuleSchema,
     SessionState,
     group_key,
@@ -366,3 +368,40 @@ def test_delivery_key_digests_are_listed_oldest_first_in_both_forms() -> None:
     for size in (SEEN_PACKED_MAX, len(digests)):
         plain = {"session_id": "s1", "kinds": {}, "seen": digests[:size]}
         assert SessionState.from_plain(schema, plain).seen_digests() == digests[:size]
+
+
+def test_kept_tuples_shared_by_rules_are_written_with_each_rules_fields() -> None:
+    """One record's kept tuple is shared by the rules keeping the same fields of it (Engine._kept);
+    the plain form converts it once per call, and each rule's groups still read its own names."""
+    schema = RuleSchema(
+        rule_ids=("R1", "R2", "R3", "R4"),
+        kinds=("sequence", "sequence", "sequence", "change"),
+        first_names=(("input_fingerprint", "kind"), ("input_fingerprint", "kind"), ("action_id", "kind"), ()),
+        compact=(True, True, True, False),
+    )
+    digest = bytes.fromhex("00ff00ff00ff00ff")
+    shared = (digest, "tool_call")
+    rng = random.Random(11)
+    session = SessionState("s1")
+    expected: dict[str, list[Any]] = {"R1": [], "R2": [], "R3": [], "R4": []}
+
+    def first(names: tuple[str, ...], kept: tuple[Any, ...]) -> dict[str, Any]:
+        out = {n: (v.hex() if type(v) is bytes else v) for n, v in zip(names, kept, strict=True) if v is not MISSING}
+        digested = [n for n, v in zip(names, kept, strict=True) if type(v) is bytes]
+        return {**out, "#digests": digested} if digested else out
+
+    # R1 past SMALL_GROUPS (a dict slot), the others in tuple slots; every other group shares one tuple.
+    for index, (rule, count) in enumerate((("R1", SMALL_GROUPS + 5), ("R2", 3), ("R3", 4))):
+        for n in range(count):
+            kept = shared if n % 2 == 0 else (MISSING if n % 3 else f"fp-{n}", "llm_call")
+            key = rng.getrandbits(64)
+            session.put_group(index, key, kept, schema.width, 100)
+            names = schema.first_names[index]
+            expected[rule].append([[key], {"first": first(names, kept), "time_ns": None, "prov": None,
+                                           "reported": False}])
+    session.put_group(3, NO_GROUP, "a value", schema.width, 100)
+    expected["R4"].append([[NO_GROUP], {"value": "a value"}])
+    plain = orjson.loads(orjson.dumps(session.to_plain(schema)))
+    assert plain["rules"] == expected
+    again = SessionState.from_plain(schema, plain)
+    assert [again.iter_groups(i) for i in range(4)] == [session.iter_groups(i) for i in range(4)]

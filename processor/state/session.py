@@ -666,15 +666,29 @@ class SessionState:
 
     def to_plain(self, schema: RuleSchema) -> dict[str, Any]:
         rules: dict[str, list[list[Any]]] = {}
-        for index in range(len(self.rules or ())):
-            groups = self.iter_groups(index)
-            if not groups:
-                continue
-            names = schema.first_names[index]
-            kind = schema.kinds[index]
-            rules[schema.rule_ids[index]] = [
-                [group_key_to_plain(key), _group_to_plain(kind, names, state)] for key, state in groups
-            ]
+        slots = self.rules
+        if slots is not None:
+            # Plain forms of kept tuples met in this call: rules that keep the same fields of one
+            # record share its tuple (Engine._kept), and a durable store converts a touched session
+            # whole at every commit, so a long session's groups pass here again and again.
+            kept_plain: dict[int, tuple[tuple[Any, ...], tuple[str, ...], dict[str, Any]]] = {}
+            for index, slot in enumerate(slots):
+                if not slot:
+                    continue
+                pairs = zip(slot[::2], slot[1::2], strict=True) if type(slot) is tuple else slot.items()
+                names = schema.first_names[index]
+                kind = schema.kinds[index]
+                if kind == "sequence":
+                    rules[schema.rule_ids[index]] = [
+                        [[key] if type(key) is int else group_key_to_plain(key),
+                         _compact_to_plain(names, state, kept_plain) if type(state) is tuple
+                         else _group_to_plain(kind, names, state)]
+                        for key, state in pairs
+                    ]
+                else:
+                    rules[schema.rule_ids[index]] = [
+                        [group_key_to_plain(key), _group_to_plain(kind, names, state)] for key, state in pairs
+                    ]
         plain: dict[str, Any] = {
             "session_id": self.session_id,
             "kinds": self.kinds_dict(),
@@ -733,6 +747,23 @@ class SessionState:
         deadlines = [w.deadline_ns for _, _, w in state.waits() if w.deadline_ns is not None]
         state.next_deadline_ns = min(deadlines) if deadlines else None
         return state
+
+
+def _compact_to_plain(
+    names: tuple[str, ...], kept: tuple[Any, ...],
+    seen: dict[int, tuple[tuple[Any, ...], tuple[str, ...], dict[str, Any]]],
+) -> dict[str, Any]:
+    """``_group_to_plain`` of a compact sequence group (its kept tuple), once per tuple and names in ``seen``.
+
+    ``seen`` holds the tuple itself, so its id is not reused while the entry lives; the
+    result may be shared by several groups of the plain form, which is only serialized.
+    """
+    entry = seen.get(id(kept))
+    if entry is not None and entry[0] is kept and entry[1] == names:
+        return entry[2]
+    plain = {"first": first_to_plain(names, kept), "time_ns": None, "prov": None, "reported": False}
+    seen[id(kept)] = (kept, names, plain)
+    return plain
 
 
 def _group_to_plain(kind: StateKind, names: tuple[str, ...], state: Any) -> dict[str, Any]:

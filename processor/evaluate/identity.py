@@ -99,7 +99,7 @@ class _Trace:
                 "linked": dict(self.linked),
                 "last_ns": self.last_ns,
                 "offers": [
-                    [span, o.parent, o.start_ns, [list(c) for c in o.calls], list(o.taken)]
+                    [span, o.parent, o.start_ns, o.calls, list(o.taken)]
                     for span, o in self.offers.items()
                 ],
                 "held": [[_action_to_plain(h.action), h.received_ns] for h in self.held],

@@ -22,9 +22,9 @@ from processor.errors import StateError
 from processor.evaluate.engine import Engine, EngineOptions, buffer_row_plain
 from processor.state.bufferrows import live_entries, segment_spans
 from processor.state.postgres import PostgresStore
-from processor.state.session import CountState, RuleSchema, SessionState, group_key
+from processor.state.session import MISSING, CountState, RuleSchema, SessionState, group_key
 from processor.state.session import key_digest as K  # the engine keys every group by a digest
-from processor.state.sessionrows import MAX_DELTAS
+from processor.state.sessionrows import MAX_DELTAS, session_plain
 from processor.state.sqlite import SqliteStore
 from processor.state.sqlstore import SCHEMA_VERSION, SqlStateStore
 from tests._engine_util import Spans, fired, shipped
@@ -36,9 +36,10 @@ from tests.test_session_identity import engine as identity_engine
 __all__ = ["pg_server"]  # the fixture, used by name
 
 SCHEMA = RuleSchema(
-    rule_ids=("R_COUNT", "R_CHANGE"),
-    kinds=("count", "change"),
-    first_names=((), ()),
+    rule_ids=("R_COUNT", "R_CHANGE", "R_SEQ"),
+    kinds=("count", "change", "sequence"),
+    first_names=((), (), ("input_fingerprint", "kind")),
+    compact=(False, False, True),
 )
 GROUP_LIMIT = 40
 SEEN_LIMIT = 500
@@ -81,9 +82,22 @@ def _session_with_groups(groups: int) -> SessionState:
 
 
 def _past_whole_writes(session: SessionState) -> None:
-    """Delivery keys enough to take the session past the size below which it is written whole."""
+    """Delivery keys enough for a base that outweighs the deltas of a test (their budget is the base's size)."""
     for d in range(600):
         session.check_seen(2**62 + d, 10_000)
+
+
+def _rows_plain(store: SqlStateStore, schema: RuleSchema = SCHEMA) -> dict[str, dict[str, Any]]:
+    """The sessions the database holds, read from its rows as a restart reads them (without loading)."""
+    deltas: dict[str, list[bytes]] = {}
+    for sid, body in store.query("SELECT session_id, body FROM session_deltas ORDER BY session_id, touched"):
+        deltas.setdefault(str(sid), []).append(bytes(body))
+    out = {}
+    for sid, base in store.query("SELECT session_id, body FROM sessions"):
+        plain, _ = session_plain(bytes(base), deltas.pop(str(sid), ()))
+        out[str(sid)] = SessionState.from_plain(schema, plain).to_plain(schema)
+    assert not deltas, "deltas without a base"
+    return out
 
 
 def _deltas(store: SqlStateStore) -> list[dict[str, Any]]:
@@ -99,7 +113,7 @@ def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Ca
     assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (1, 0, 30)
     base_bytes = store.rows_written.bytes
 
-    # A group of the other rule appears, one digest arrives: a delta with just those.
+    # A group of a rule written by group appears, one digest arrives: a delta with just those.
     session.put_group(1, K("k0"), "first value", SCHEMA.width, GROUP_LIMIT)
     session.check_seen(10_001, 10_000)
     session.activity_ns = 2
@@ -108,8 +122,32 @@ def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Ca
     assert (store.rows_written.bases, store.rows_written.deltas, store.rows_written.groups) == (0, 1, 1)
     assert store.rows_written.bytes * 20 < base_bytes
     delta = _deltas(store)[-1]
-    assert (delta["rules"], delta["drop"]) == ({"R_CHANGE": [[[K("k0")], {"value": "first value"}]]}, [])
+    assert (delta["rules"], delta["drop"]) == ({}, [])
+    assert delta["groups"] == {"R_CHANGE": [[[K("k0")], {"value": "first value"}]]}
     assert (delta["seen"], delta["forget"], delta["head"]["activity_ns"]) == ([10_001], 0, 2)
+
+    # Compact sequence groups: put, put again (it becomes the newest), dropped; only those are written.
+    for name in ("x1", "x2", "x3"):
+        session.put_group(2, K(name), (b"\x00" * 8, f"kind-{name}"), SCHEMA.width, GROUP_LIMIT)
+    store.save_session(session, SCHEMA)
+    store.commit()
+    session.put_group(2, K("x4"), (MISSING, "kind-x4"), SCHEMA.width, GROUP_LIMIT)
+    session.put_group(2, K("x1"), (MISSING, "kind-x1 again"), SCHEMA.width, GROUP_LIMIT)
+    session.drop_group(2, K("x2"))
+    session.drop_group(2, K("never there"))
+    store.save_session(session, SCHEMA)
+    store.commit()
+    assert (store.rows_written.deltas, store.rows_written.groups) == (1, 3)
+    delta = _deltas(store)[-1]
+    assert delta["rules"] == {} and list(delta["groups"]) == ["R_SEQ"]
+    assert delta["groups"]["R_SEQ"] == [
+        [[K("x4")], {"first": {"kind": "kind-x4"}, "time_ns": None, "prov": None, "reported": False}],
+        [[K("x1")], {"first": {"kind": "kind-x1 again"}, "time_ns": None, "prov": None, "reported": False}],
+        [[K("x2")], None],
+    ]
+    assert [k for k, _ in open_store().load_sessions(SCHEMA).__next__().iter_groups(2)] == [K("x3"), K("x4"), K("x1")]
+    store = open_store()
+    session = next(iter(store.load_sessions(SCHEMA)))
 
     # A count changes in place: its rule's groups are written, in their order; nothing else.
     count = session.get_group(0, K("g7"))
@@ -122,14 +160,23 @@ def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Ca
     assert [key for key, _ in delta["rules"]["R_COUNT"]] == [[K(f"g{g}")] for g in range(30)]
 
     # A group that becomes the newest again (same state) is a change of order; a rule left
-    # without groups is said so.
+    # without groups is said so (the rules written by group by their groups dropped).
     session.put_group(0, K("g3"), session.get_group(0, K("g3")), SCHEMA.width, GROUP_LIMIT)
     session.drop_group(1, K("k0"))
     store.save_session(session, SCHEMA)
     store.commit()
     delta = _deltas(store)[-1]
     assert [key for key, _ in delta["rules"]["R_COUNT"]][-2:] == [[K("g29")], [K("g3")]]
-    assert delta["drop"] == ["R_CHANGE"]
+    assert (delta["drop"], delta["groups"]) == ([], {"R_CHANGE": [[[K("k0")], None]]})
+    for group in ("g0", "g1"):
+        session.drop_group(0, K(group))
+    store.save_session(session, SCHEMA)
+    store.commit()
+    for group in range(2, 30):
+        session.drop_group(0, K(f"g{group}"))
+    store.save_session(session, SCHEMA)
+    store.commit()
+    assert _deltas(store)[-1]["drop"] == ["R_COUNT"]
 
     restarted = open_store()
     assert _plain_of(restarted) == {"s1": session.to_plain(SCHEMA)}
@@ -142,23 +189,31 @@ def test_a_commit_writes_only_the_groups_and_digests_that_changed(open_store: Ca
     assert _plain_of(open_store()) == {"s1": loaded.to_plain(SCHEMA)}
 
 
-def test_a_small_session_is_written_whole_until_it_grows(open_store: Callable[[], SqlStateStore]) -> None:
+def test_a_session_is_a_base_once_then_deltas_and_a_new_one_of_the_same_id_a_base(
+        open_store: Callable[[], SqlStateStore]) -> None:
     store = open_store()
     session = _session_with_groups(3)
-    digest = 2**62  # digests are 64-bit: about 19 digits each in JSON
     kinds: list[tuple[int, int]] = []
-    while not kinds or kinds[-1] != (0, 1):
-        for _ in range(50):
-            digest += 1
-            session.check_seen(digest, 10_000)
+    for step in range(4):
+        session.put_group(1, K(f"c{step}"), step, SCHEMA.width, GROUP_LIMIT)
         store.save_session(session, SCHEMA)
         store.commit()
         kinds.append((store.rows_written.bases, store.rows_written.deltas))
-        assert len(kinds) < 40
-    # Whole while under WHOLE_BELOW, once more whole with its groups known, then deltas.
-    assert kinds[:-1] == [(1, 0)] * (len(kinds) - 1) and len(kinds) > 2
-    assert store.rows_written.bytes < 2000
-    assert _plain_of(open_store()) == {"s1": session.to_plain(SCHEMA)}
+    assert kinds == [(1, 0), (0, 1), (0, 1), (0, 1)]
+    # Gone, and back as a new session: a base, which replaces what the old one left.
+    store.delete_session("s1")
+    store.commit()
+    again = SessionState("s1")
+    again.put_group(1, K("fresh"), "v", SCHEMA.width, GROUP_LIMIT)
+    store.save_session(again, SCHEMA)
+    store.commit()
+    assert (store.rows_written.bases, store.rows_written.deltas) == (1, 0)
+    assert store.query("SELECT count(*) FROM session_deltas")[0][0] == 0
+    again.put_group(1, K("fresh 2"), "v", SCHEMA.width, GROUP_LIMIT)
+    store.save_session(again, SCHEMA)
+    store.commit()
+    assert (store.rows_written.bases, store.rows_written.deltas) == (0, 1)
+    assert _plain_of(open_store()) == {"s1": again.to_plain(SCHEMA)}
 
 
 def test_deltas_are_folded_into_a_new_base_once_they_outweigh_it(open_store: Callable[[], SqlStateStore]) -> None:
@@ -192,9 +247,15 @@ def _mutate(rng: random.Random, session: SessionState, digest: list[int]) -> Non
     elif roll < 0.45:
         session.put_group(1, rng.choice([key, K(7), group_key((1, "x")), K(None)]), rng.choice(["v", 1.5, {"a": [1]}]),
                           SCHEMA.width, GROUP_LIMIT)
-    elif roll < 0.55:
-        session.drop_group(rng.randrange(2), key)
+    elif roll < 0.5:
+        # Compact sequence groups, a burst: new, put again (the newest), the oldest dropped at the
+        # limit, one shared tuple among several.
+        for _ in range(rng.randrange(1, 25)):
+            kept = rng.choice([(MISSING, "tool_call"), (b"\x01" * 8, "payment"), ("fp", "llm_call")])
+            session.put_group(2, K(f"a{rng.randrange(80)}"), kept, SCHEMA.width, GROUP_LIMIT)
     elif roll < 0.6:
+        session.drop_group(rng.randrange(3), key if rng.random() < 0.5 else K(f"a{rng.randrange(80)}"))
+    elif roll < 0.65:
         # A burst of more new digests than are kept: everything stored is forgotten at once.
         for _ in range(SEEN_LIMIT + rng.randrange(5)):
             digest[0] += 1
@@ -230,6 +291,8 @@ def test_restarts_restore_exactly_what_was_committed(open_store: Callable[[], Sq
         store.commit()
         written[0] += store.rows_written.bases
         written[1] += store.rows_written.deltas
+        # After every commit, the rows read back are the sessions as they are now.
+        assert _rows_plain(store) == {sid: live[sid].to_plain(SCHEMA) for sid in saved}, f"step {step}"
         if step % 15 == 14:
             store = open_store()
             restarts += 1
@@ -241,6 +304,39 @@ def test_restarts_restore_exactly_what_was_committed(open_store: Callable[[], Sq
             live = {sid: loaded.get(sid, SessionState(sid)) for sid in live}
     assert restarts == 10
     assert written[0] > 20 and written[1] > 100, "both whole and delta writes must be exercised"
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_sessions_written_by_change_are_what_the_engine_holds_after_every_commit(
+        open_store: Callable[[], SqlStateStore], seed: int) -> None:
+    """The engine's sessions note the groups put and dropped (put_group, the engine adding to a rule's
+    dict itself, the group limit, the global bound); the store writes those. After every commit the
+    rows read back are the engine's sessions."""
+    rng = random.Random(seed)
+    store = open_store()
+    engine = Engine(shipped(), EngineOptions(allowed_lateness_s=0, max_groups_per_rule=30,
+                                             max_remembered_entries=600), store)
+    span = Spans()
+    written = [0, 0]  # bases, deltas
+    for step in range(40):
+        items = []
+        for _ in range(rng.randint(1, 30)):
+            session = f"s{rng.randrange(5)}"
+            fields: dict[str, Any] = {"action_id": f"{session}-a{rng.randrange(60)}",
+                                      "kind": rng.choice(["tool_call", "payment", "llm_call"]),
+                                      "status": rng.choice(["ok", "ok", "error"])}
+            if rng.random() < 0.3:
+                fields["idempotency_key"] = f"k{rng.randrange(20)}"
+            if rng.random() < 0.2:
+                fields["input_fingerprint"] = f"fp{rng.randrange(3)}"
+            items.append(span(step + rng.random(), session=session, **fields))
+        engine.submit_many(items)
+        written[0] += store.rows_written.bases
+        written[1] += store.rows_written.deltas
+        held = {sid: s.to_plain(engine.schema) for sid, s in engine._sessions.items()}
+        assert _rows_plain(store, engine.schema) == held, f"step {step}"
+    assert written[1] > written[0] > 0, written
+    assert engine.remembered_entries <= 600
 
 
 def test_a_state_file_of_the_whole_session_layout_is_migrated(tmp_path: Path) -> None:
@@ -310,6 +406,50 @@ def test_a_state_file_whose_buffered_spans_are_objects_is_read_and_goes_on(tmp_p
                                      lambda segment, body: all(type(e) is list for e in segment_spans(segment, body)))
     again.close()
     rows_store.close()
+
+
+def test_a_state_file_of_version_4_is_read_as_it_is_and_goes_on_by_group(tmp_path: Path) -> None:
+    """Version 4 wrote a small session whole and a larger one's changed rules whole in its deltas
+    (no groups by group): read as they are; this build's next deltas write groups."""
+    path = tmp_path / "state.db"
+    SqliteStore(path).close()
+    small, large = _session_with_groups(2), _session_with_groups(5)
+    small.session_id, large.session_id = "small", "large"
+    for n in range(12):
+        large.put_group(2, K(f"a{n}"), (MISSING, f"kind-{n}"), SCHEMA.width, GROUP_LIMIT)
+    base = large.to_plain(SCHEMA)
+    large.put_group(2, K("a3"), (MISSING, "kind-3 again"), SCHEMA.width, GROUP_LIMIT)
+    large.put_group(1, K("c"), "value", SCHEMA.width, GROUP_LIMIT)
+    after = large.to_plain(SCHEMA)
+    v4_delta = {"head": {k: v for k, v in after.items() if k not in ("rules", "seen")},
+                "rules": {"R_SEQ": after["rules"]["R_SEQ"], "R_CHANGE": after["rules"]["R_CHANGE"]},
+                "drop": [], "seen": [], "forget": 0}
+    conn = sqlite3.connect(path)
+    conn.executemany("INSERT INTO sessions (session_id, touched, body) VALUES (?, ?, ?)",
+                     [("small", 1, orjson.dumps(small.to_plain(SCHEMA))), ("large", 2, orjson.dumps(base))])
+    conn.execute("INSERT INTO session_deltas (session_id, touched, body) VALUES (?, ?, ?)",
+                 ("large", 3, orjson.dumps(v4_delta)))
+    conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+
+    store = SqliteStore(path)
+    assert store.meta_get("schema_version") == str(SCHEMA_VERSION) == "5"
+    loaded = {s.session_id: s for s in store.load_sessions(SCHEMA)}
+    assert {sid: s.to_plain(SCHEMA) for sid, s in loaded.items()} == {"small": small.to_plain(SCHEMA),
+                                                                       "large": after}
+    for session in loaded.values():
+        session.put_group(2, K("new"), (MISSING, "tool_call"), SCHEMA.width, GROUP_LIMIT)
+        session.drop_group(2, K("a5"))
+        store.save_session(session, SCHEMA)
+    store.commit()
+    assert store.rows_written.deltas == 2
+    assert all("R_SEQ" in delta["groups"] for delta in _deltas(store)[-2:])
+    store.close()
+    reopened = SqliteStore(path)
+    again = {s.session_id: s.to_plain(SCHEMA) for s in reopened.load_sessions(SCHEMA)}
+    assert again == {sid: s.to_plain(SCHEMA) for sid, s in loaded.items()}
+    reopened.close()
 
 
 def assert_an_older_database_goes_on(again: SqlStateStore, reference: SqlStateStore, spans: Spans,

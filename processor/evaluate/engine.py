@@ -1436,6 +1436,8 @@ class Engine:
                         kept = self._kept(plan, action.record)
                         if type(slot) is dict and len(slot) < self._max_groups:
                             slot[key] = kept  # a new group, the newest: what put_group does here
+                            if session.changes is not None:
+                                session.note_put(plan.index, key)
                         else:
                             self._put(plan, session, key, kept)
                 return

@@ -15,7 +15,7 @@ stopped replica are renumbered below this replica's own, still disjoint). The st
 keeps the index (:class:`BufferSegments`) in memory and changes it only once a
 transaction committed (:meth:`BufferSegments.apply`).
 
-A segment's body is stored as a zstd frame (schema version 4, :mod:`processor.state.compression`):
+A segment's body is stored as a zstd frame (since schema version 4, :mod:`processor.state.compression`):
 the rows repeat the same keys, sessions and origins, and the body is read only after a
 restart. A body of version 3 or earlier, the JSON itself, is read as it is.
 """

@@ -9,7 +9,7 @@ as zstd frames at level 1 they take several times less disk and write-ahead log,
 about a microsecond of CPU per span to compress; fewer bytes written is also less work
 for the database, which is where the CPU comes back (docs/performance.md).
 
-How a reader knows what it has (schema version 4; version 3 wrote both bodies as they were):
+How a reader knows what it has (since schema version 4; version 3 wrote both bodies as they were):
 
 - a journal row says so in its ``kind`` column (``otlp+zstd``, :data:`COMPRESSED_SUFFIX`):
   a request's bytes are the sender's, and a protocol-buffer message can begin with any

@@ -192,6 +192,13 @@ class RuleSchema:
         except ValueError:
             return None
 
+    def by_group(self, index: int) -> bool:
+        """True when the rule's group states are never changed in place (compact sequence groups,
+        change values): a group changes only by being put or dropped, which the session notes, so a
+        store can write the groups that changed rather than the rule's whole list."""
+        kind = self.kinds[index]
+        return kind == "change" or (kind == "sequence" and self.is_compact(index))
+
 
 # The key of a kept-fields map naming the fields held as digests (no field name has a "#").
 DIGESTED_KEY: Final = "#digests"
@@ -450,6 +457,7 @@ class SessionState:
     __slots__ = (
         "activity_ns",
         "buffered",
+        "changes",
         "entries",
         "fired",
         "kinds",
@@ -479,6 +487,10 @@ class SessionState:
         self.fired: FiredWaits | None = None
         # entry_count() as the engine's global bound last counted it (not persisted).
         self.entries = 0
+        # Groups put or dropped since a durable store last wrote the session (None: no store
+        # asked, nothing noted): rule index -> {key: True (put: it is now among the newest, in
+        # this order) or False (dropped)}. See track_changes.
+        self.changes: dict[int, dict[GroupKey, bool]] | None = None
 
     # Groups of one rule live in its slot of ``rules``: None (no group), a flat tuple
     # (key, state, key, state, ...) while there are at most SMALL_GROUPS of them, else a
@@ -504,6 +516,8 @@ class SessionState:
         rules = self.rules
         if rules is None:
             rules = self.rules = [None] * width
+        if self.changes is not None:
+            self.note_put(index, key)
         slot = rules[index]
         if slot is None:
             rules[index] = (key, state)
@@ -517,6 +531,8 @@ class SessionState:
             if len(slot) // 2 >= limit:
                 dropped = (slot[0], slot[1])
                 slot = slot[2:]
+                if self.changes is not None:
+                    self._note_dropped(index, dropped[0])
             if len(slot) // 2 < SMALL_GROUPS:
                 rules[index] = (*slot, key, state)
             else:
@@ -529,6 +545,8 @@ class SessionState:
         elif len(slot) >= limit:
             oldest = next(iter(slot))
             dropped = (oldest, slot.pop(oldest))
+            if self.changes is not None:
+                self._note_dropped(index, oldest)
         slot[key] = state
         return dropped
 
@@ -543,11 +561,48 @@ class SessionState:
             for at in range(0, len(slot), 2):
                 if slot[at] == key:
                     rules[index] = (*slot[:at], *slot[at + 2 :]) or None
+                    if self.changes is not None:
+                        self._note_dropped(index, key)
                     return
             return
-        slot.pop(key, None)
+        if slot.pop(key, MISSING) is MISSING:
+            return
+        if self.changes is not None:
+            self._note_dropped(index, key)
         if len(slot) <= SMALL_GROUPS // 2:
             rules[index] = tuple(x for pair in slot.items() for x in pair) or None
+
+    def track_changes(self) -> None:
+        """From now on, note every group put or dropped (a durable store writes what changed)."""
+        if self.changes is None:
+            self.changes = {}
+
+    def take_changes(self) -> dict[int, dict[GroupKey, bool]] | None:
+        """The groups put and dropped since the last call (None: not tracked until now); noting
+        starts again from here."""
+        changes = self.changes
+        self.changes = {}
+        return changes
+
+    def note_put(self, index: int, key: GroupKey) -> None:
+        """A group was set (by put_group, or by the engine adding to a rule's dict itself): it is the newest."""
+        changes = self.changes
+        assert changes is not None
+        noted = changes.get(index)
+        if noted is None:
+            changes[index] = {key: True}
+        else:
+            noted.pop(key, None)
+            noted[key] = True
+
+    def _note_dropped(self, index: int, key: GroupKey) -> None:
+        changes = self.changes
+        assert changes is not None
+        noted = changes.get(index)
+        if noted is None:
+            changes[index] = {key: False}
+        else:
+            noted[key] = False
 
     def iter_groups(self, index: int) -> list[tuple[GroupKey, Any]]:
         rules = self.rules
@@ -669,32 +724,22 @@ class SessionState:
         slots = self.rules
         if slots is not None:
             # Plain forms of kept tuples met in this call: rules that keep the same fields of one
-            # record share its tuple (Engine._kept), and a durable store converts a touched session
-            # whole at every commit, so a long session's groups pass here again and again.
-            kept_plain: dict[int, tuple[tuple[Any, ...], tuple[str, ...], dict[str, Any]]] = {}
+            # record share its tuple (Engine._kept).
+            kept_plain: _KeptPlain = {}
             for index, slot in enumerate(slots):
-                if not slot:
-                    continue
-                pairs = zip(slot[::2], slot[1::2], strict=True) if type(slot) is tuple else slot.items()
-                names = schema.first_names[index]
-                kind = schema.kinds[index]
-                if kind == "sequence":
-                    rules[schema.rule_ids[index]] = [
-                        [[key] if type(key) is int else group_key_to_plain(key),
-                         _compact_to_plain(names, state, kept_plain) if type(state) is tuple
-                         else _group_to_plain(kind, names, state)]
-                        for key, state in pairs
-                    ]
-                else:
-                    rules[schema.rule_ids[index]] = [
-                        [group_key_to_plain(key), _group_to_plain(kind, names, state)] for key, state in pairs
-                    ]
+                if slot:
+                    rules[schema.rule_ids[index]] = _groups_to_plain(schema, index, slot, kept_plain)
+        plain = self.head_plain(schema)
+        plain["rules"] = rules
+        plain["seen"] = self.seen_digests()
+        return plain
+
+    def head_plain(self, schema: RuleSchema) -> dict[str, Any]:
+        """The plain form without its rules and delivery-key digests: counts, activity, fired waits."""
         plain: dict[str, Any] = {
             "session_id": self.session_id,
             "kinds": self.kinds_dict(),
             "violations": self.violations,
-            "rules": rules,
-            "seen": self.seen_digests(),
             "activity_ns": self.activity_ns,
         }
         fired = self.fired
@@ -711,6 +756,41 @@ class SessionState:
             ]
             plain["resolved_late"] = fired.resolved
         return plain
+
+    def changes_to_plain(
+        self, schema: RuleSchema, changes: Mapping[int, Mapping[GroupKey, bool]]
+    ) -> tuple[dict[str, list[list[Any]]], dict[str, list[list[Any]]]]:
+        """What a store writes of the rules after :meth:`take_changes` gave ``changes``.
+
+        Returns (every group of each rule whose groups may change in place, as :meth:`to_plain`
+        has them; for the rules tracked by group (``RuleSchema.by_group``), the groups put or
+        dropped: ``[key, group]`` of a group put, in the order they became the newest, and
+        ``[key, None]`` of one dropped).
+        """
+        whole: dict[str, list[list[Any]]] = {}
+        changed: dict[str, list[list[Any]]] = {}
+        slots = self.rules
+        kept_plain: _KeptPlain = {}
+        if slots is not None:
+            for index, slot in enumerate(slots):
+                if slot and not schema.by_group(index):
+                    whole[schema.rule_ids[index]] = _groups_to_plain(schema, index, slot, kept_plain)
+        for index, noted in changes.items():
+            if not noted or not schema.by_group(index):
+                continue
+            names = schema.first_names[index]
+            kind = schema.kinds[index]
+            out: list[list[Any]] = []
+            for key, put in noted.items():
+                state = self.get_group(index, key) if put else MISSING
+                if state is MISSING:
+                    out.append([group_key_to_plain(key), None])
+                elif type(state) is tuple:
+                    out.append([group_key_to_plain(key), _compact_to_plain(names, state, kept_plain)])
+                else:
+                    out.append([group_key_to_plain(key), _group_to_plain(kind, names, state)])
+            changed[schema.rule_ids[index]] = out
+        return whole, changed
 
     @classmethod
     def from_plain(cls, schema: RuleSchema, plain: Mapping[str, Any]) -> SessionState:
@@ -749,9 +829,27 @@ class SessionState:
         return state
 
 
+_KeptPlain = dict[int, tuple[tuple[Any, ...], tuple[str, ...], dict[str, Any]]]
+
+
+def _groups_to_plain(schema: RuleSchema, index: int, slot: Any, kept_plain: _KeptPlain) -> list[list[Any]]:
+    """A rule's groups (its slot, not empty) as ``[key, group]`` in their order."""
+    pairs = zip(slot[::2], slot[1::2], strict=True) if type(slot) is tuple else slot.items()
+    names = schema.first_names[index]
+    kind = schema.kinds[index]
+    if kind == "sequence":
+        return [
+            [[key] if type(key) is int else group_key_to_plain(key),
+             _compact_to_plain(names, state, kept_plain) if type(state) is tuple
+             else _group_to_plain(kind, names, state)]
+            for key, state in pairs
+        ]
+    return [[group_key_to_plain(key), _group_to_plain(kind, names, state)] for key, state in pairs]
+
+
 def _compact_to_plain(
     names: tuple[str, ...], kept: tuple[Any, ...],
-    seen: dict[int, tuple[tuple[Any, ...], tuple[str, ...], dict[str, Any]]],
+    seen: _KeptPlain,
 ) -> dict[str, Any]:
     """``_group_to_plain`` of a compact sequence group (its kept tuple), once per tuple and names in ``seen``.
 

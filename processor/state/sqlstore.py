@@ -40,11 +40,22 @@ from processor.state.base import EngineStateLike, StateStore, TimerEntry
 from processor.state.bufferrows import BufferSegments, BufferWrite, live_entries
 from processor.state.memory import MemoryStore
 from processor.state.session import GroupKey, RuleSchema, SessionState, group_key_from_plain, group_key_to_plain
-from processor.state.sessionrows import SessionWrite, Stored, dumps, session_plain, session_write
+from processor.state.sessionrows import (
+    SessionChange,
+    SessionWrite,
+    Stored,
+    dumps,
+    session_base,
+    session_delta,
+    session_plain,
+)
 from processor.state.tracerows import StoredTraces, TraceWrite
 
 log = logging.getLogger(__name__)
 
+# 5: a session delta may carry a rule's groups put and dropped (sessionrows, "groups"), which a
+# build that reads version 4 would skip; version 4's rows are read as they are (a version 4
+# database needs no change but its version number).
 # 4: journal request bodies and buffer segment bodies are zstd frames (processor.state.compression);
 # version 3's, stored as they were, are read as they are (a version 3 database needs no change but
 # its version number, and a build that reads version 3 only refuses a version 4 database).
@@ -54,7 +65,7 @@ log = logging.getLogger(__name__)
 # segments (processor.state.bufferrows), recent traces are rows (processor.state.tracerows);
 # 1 kept each session whole (a base without deltas, as it is), each buffered span in a row and
 # the traces in the engine row (read as they are), and is migrated at open.
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
 TABLES: Final = (
@@ -138,6 +149,9 @@ class SqlStateStore(StateStore):
         # changes to it that the transaction being written makes (applied once it committed).
         self._stored: dict[str, Stored] = {}
         self._storing: dict[str, Stored | None] = {}
+        # The ids of the rules whose groups are written by group (RuleSchema.by_group), for this schema.
+        self._by_group_schema: RuleSchema | None = None
+        self._by_group: frozenset[str] = frozenset()
         self.rows_written = RowsWritten()
         self.stale = False
 
@@ -184,15 +198,15 @@ class SqlStateStore(StateStore):
             self.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         elif int(found[0]) == 1:
             self._migrate_whole_sessions(where)
-        elif int(found[0]) in (2, 3):
+        elif int(found[0]) in (2, 3, 4):
             # What changed is how new rows are written (version 3: buffered spans; 4: journal and
-            # buffer bodies compressed); the older rows are read as they are.
+            # buffer bodies compressed; 5: session deltas by group); the older rows are read as they are.
             self.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
             log.warning("the state database %s was migrated from schema version %s to %d", where, found[0],
                         SCHEMA_VERSION)
         elif int(found[0]) != SCHEMA_VERSION:
             raise StateError(f"the state database {where} has schema version {found[0]}, which this build "
-                             f"cannot read (it reads version {SCHEMA_VERSION} and migrates versions 1 to 3): run the "
+                             f"cannot read (it reads version {SCHEMA_VERSION} and migrates versions 1 to 4): run the "
                              "durable-check release that wrote it, or move the database aside to start with "
                              "empty state")
 
@@ -313,11 +327,8 @@ class SqlStateStore(StateStore):
                 self.executemany(f"DELETE FROM {table} WHERE session_id = ?", deleted)  # noqa: S608 - constants
             written.deleted_sessions = len(deleted)
         schema = self._schema
-        stored = self._stored
-        changed = [
-            session_write(live.to_plain(schema), stored.get(sid))
-            for sid, live in sessions.items() if live is not None and schema is not None
-        ]
+        changed = [self._session_row(live, schema) for live in sessions.values() if live is not None] \
+            if schema is not None else []
         self._write_sessions(changed, written)
         self._storing = {sid: None for sid, body in sessions.items() if body is None}
         self._storing.update((w.session_id, w.stored) for w in changed)
@@ -333,6 +344,21 @@ class SqlStateStore(StateStore):
                 put,
             )
         return self._write_engine(engine) if engine is not None else None
+
+    def _session_row(self, live: SessionState, schema: RuleSchema) -> SessionWrite:
+        """A delta of what the session noted since its last write, or a new base when that is due."""
+        if schema is not self._by_group_schema:
+            self._by_group_schema = schema
+            self._by_group = frozenset(schema.rule_ids[i] for i in range(schema.width) if schema.by_group(i))
+        changes = live.take_changes()  # noting starts (again) here, whatever is written
+        before = self._stored.get(live.session_id)
+        if changes is not None and before is not None:
+            whole, groups = live.changes_to_plain(schema, changes)
+            change = SessionChange(live.head_plain(schema), whole, groups, self._by_group, live.seen_digests())
+            delta = session_delta(change, before)
+            if delta is not None:
+                return delta
+        return session_base(live.to_plain(schema), before, self._by_group)
 
     def _write_sessions(self, changed: Sequence[SessionWrite], written: RowsWritten) -> None:
         """One row per changed session: a delta, or a new base that replaces its deltas."""
@@ -527,6 +553,7 @@ class SqlStateStore(StateStore):
             try:
                 plain, stored = session_plain(bytes(base), deltas.pop(session_id, ()))
                 session = SessionState.from_plain(schema, plain)
+                session.track_changes()  # what the store holds is known: the next write is a delta
             except (ValueError, KeyError, TypeError, IndexError):
                 # One unreadable session must not keep every other from starting (ids are not logged).
                 skipped += 1

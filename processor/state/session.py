@@ -586,23 +586,22 @@ class SessionState:
 
     def note_put(self, index: int, key: GroupKey) -> None:
         """A group was set (by put_group, or by the engine adding to a rule's dict itself): it is the newest."""
-        changes = self.changes
-        assert changes is not None
-        noted = changes.get(index)
-        if noted is None:
-            changes[index] = {key: True}
-        else:
-            noted.pop(key, None)
-            noted[key] = True
+        self._note(index, key, True)
 
     def _note_dropped(self, index: int, key: GroupKey) -> None:
+        self._note(index, key, False)
+
+    def _note(self, index: int, key: GroupKey, put: bool) -> None:
+        # Last noted last: a put is then the newest group when the delta is applied; a drop
+        # deletes its key wherever it stands, so moving it does no harm.
         changes = self.changes
         assert changes is not None
         noted = changes.get(index)
         if noted is None:
-            changes[index] = {key: False}
+            changes[index] = {key: put}
         else:
-            noted[key] = False
+            noted.pop(key, None)
+            noted[key] = put
 
     def iter_groups(self, index: int) -> list[tuple[GroupKey, Any]]:
         rules = self.rules

@@ -176,8 +176,8 @@ def session_plain(base: bytes, deltas: Iterable[bytes]) -> tuple[dict[str, Any],
         delta = orjson.loads(body)
         stored.delta_bytes += len(body)
         stored.deltas += 1
-        for key in [k for k in plain if k not in _NOT_HEAD]:
-            del plain[key]
+        for name in [k for k in plain if k not in _NOT_HEAD]:
+            del plain[name]
         plain.update(delta["head"])
         for rule_id, groups in delta["rules"].items():
             keyed.pop(rule_id, None)
@@ -189,12 +189,12 @@ def session_plain(base: bytes, deltas: Iterable[bytes]) -> tuple[dict[str, Any],
             by_key = keyed.get(rule_id)
             if by_key is None:
                 by_key = keyed[rule_id] = {group_key_from_plain(e[0]): e for e in rules.get(rule_id, ())}
-            for key, group in changed:
+            for group_key, group in changed:
                 # Named: it leaves its place; put: it is the newest.
-                digest = group_key_from_plain(key)
+                digest = group_key_from_plain(group_key)
                 by_key.pop(digest, None)
                 if group is not None:
-                    by_key[digest] = [key, group]
+                    by_key[digest] = [group_key, group]
         seen.extend(int(d) for d in delta["seen"])
         del seen[: int(delta["forget"])]
     for rule_id, by_key in keyed.items():

@@ -11,12 +11,16 @@ evaluated, spans in the reordering window), starts serve again on it and measure
 - **time to drain**: from the start to ``durable_check_journal_depth`` reaching 0 (every
   request acknowledged before the kill evaluated).
 
+It also counts the sessions serve said it could not restore: a start that skips them is
+fast and wrong, so any at all fail the run.
+
     python -m bench.recovery bench/out/data/otlp-1000000-10000-v3.bin --rate 3000 --before 15
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sqlite3
 import subprocess
@@ -57,6 +61,11 @@ def _journal_depth(metrics_port: int) -> float | None:
     except httpx.HTTPError:
         return None
     return _metric(text, "durable_check_journal_depth")
+
+
+def _not_restored(log_text: str) -> int:
+    """How many sessions serve said it could not restore (its log names the count, never the ids)."""
+    return sum(int(m.group(1)) for m in re.finditer(r"(\d+) session\(s\) could not be restored", log_text))
 
 
 def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
@@ -114,6 +123,7 @@ def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
                 serve.send_signal(signal.SIGTERM)
                 serve.wait(60)
             log.close()
+        not_restored = _not_restored((work / "serve.stderr").read_text(encoding="utf-8", errors="replace"))
     return {
         "rate_spans_s": rate,
         "killed_after_s": before_s,
@@ -124,6 +134,8 @@ def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
         "state_bytes_at_kill": db_bytes,
         "time_to_ready_s": None if ready_at is None else ready_at - started,
         "time_to_drain_s": None if drained_at is None else drained_at - started,
+        # A start that skipped sessions it could not read is faster and wrong: it must be 0.
+        "sessions_not_restored": not_restored,
     }
 
 
@@ -136,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = [run(args.dump, args.rate, args.before) for _ in range(args.runs)]
     sys.stdout.write(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode() + "\n")
+    if any(result["sessions_not_restored"] for result in results):
+        sys.stderr.write("recovery: serve could not restore some sessions; the timings do not count\n")
+        return 1
     return 0
 
 

@@ -7,7 +7,8 @@ span, without the gRPC receiver and the client beside it on the same cores. The
 requests (512 spans each) are stamped with the current clock, as the live client does,
 and put into serve's own queue as fast as it takes them; the worker journals,
 acknowledges, converts, evaluates, commits and hands violations to a JSONL exporter
-exactly as in serve, built from the same configuration code. The rate is spans per
+exactly as in serve, built from the same configuration code, and the garbage collector
+is tuned as serve tunes it (:mod:`processor.gc_pauses`). The rate is spans per
 CPU-second of the process (the worker thread is the only busy one) from the first put
 until every request was evaluated; wall time is reported beside it. ``--rate`` paces the
 requests as a steady sender would: the worker then commits as it does in serve at that
@@ -35,6 +36,7 @@ from typing import Any
 from bench.live import Template, load_templates
 from processor.config import parse_config
 from processor.convert.spans import SpanConverter
+from processor.gc_pauses import settle_for_serving
 from processor.receive.otlp_common import parse_protobuf
 from processor.receive.queue import Batch, IngestQueue, QueueFull
 from processor.serve import build_pipeline, build_store
@@ -55,6 +57,9 @@ def measure(templates: list[Template], state: str, profile: Path | None = None,
         queue = IngestQueue(config.queue.max_requests, config.queue.max_spans, 1.0, telemetry)
         worker = EvaluatorWorker(queue, pipeline, store, converter=SpanConverter(config.convert), hold=None,
                                  tick_interval_s=float(config.evaluate.tick_interval), telemetry=telemetry)
+        # As serve does before traffic: with CPython's default thresholds full collections of
+        # the growing heap were a sixth of the evaluator's CPU here, a cost serve does not pay.
+        settle_for_serving()
         profiler = cProfile.Profile() if profile is not None else None
         if profiler is not None:
             run = worker._run

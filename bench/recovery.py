@@ -15,6 +15,7 @@ It also counts the sessions serve said it could not restore: a start that skips 
 fast and wrong, so any at all fail the run.
 
     python -m bench.recovery bench/out/data/otlp-1000000-10000-v3.bin --rate 3000 --before 15
+    python -m bench.recovery bench/out/data/otlp-1000000-10000-v3.bin --rate 20000 --build compiled --runs 2
 """
 
 from __future__ import annotations
@@ -139,13 +140,20 @@ def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
     }
 
 
+def _say(message: str) -> None:
+    sys.stderr.write(message + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dump", type=Path)
     parser.add_argument("--rate", type=float, required=True, help="spans per second before the kill")
     parser.add_argument("--before", type=float, default=15.0, help="seconds of load before the kill")
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--build", choices=build.BUILDS, default="source",
+                        help="run serve from the checkout's sources or its compiled wheel (bench.build)")
     args = parser.parse_args(argv)
+    build.select(args.build, _say)
     results = [run(args.dump, args.rate, args.before) for _ in range(args.runs)]
     sys.stdout.write(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode() + "\n")
     if any(result["sessions_not_restored"] for result in results):

@@ -40,8 +40,13 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1", **extra}
 
 
-def select(build: str, log: Callable[[str], None]) -> None:
-    """Make ``build`` the one measured processes import (and their own sub-processes)."""
+def _to_stderr(message: str) -> None:
+    sys.stderr.write(message + "\n")
+
+
+def select(build: str, log: Callable[[str], None] = _to_stderr) -> None:
+    """Make ``build`` the one measured processes import (and their own sub-processes); ``log``
+    hears what it does (a wheel built, the build chosen), on stderr unless told otherwise."""
     if build == "source":
         os.environ.pop(_ENV, None)
         return

@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build", choices=build.BUILDS, default="source",
                         help="run serve from the checkout's sources or its compiled wheel (bench.build)")
     args = parser.parse_args(argv)
-    build.select(args.build, lambda message: sys.stderr.write(message + "\n"))
+    build.select(args.build)
     result = run(args.rate, args.duration, warmup_s=args.warmup, active=args.active,
                  session_spans=args.session_spans, idle=args.idle, sample_s=args.sample,
                  spans_per_request=args.spans_per_request, max_remembered_entries=args.max_remembered_entries)

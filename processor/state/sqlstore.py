@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 # 1 kept each session whole (a base without deltas, as it is), each buffered span in a row and
 # the traces in the engine row (read as they are), and is migrated at open.
 SCHEMA_VERSION: Final = 5
+# Logged at a start that skipped unreadable sessions (a count, never ids); bench.recovery reads it.
+NOT_RESTORED_LOG: Final = "%d session(s) could not be restored from the state store"
 
 # Column types per dialect: {INT} 64-bit integer, {BLOB} bytes, {SERIAL} auto-increasing key.
 TABLES: Final = (
@@ -561,7 +563,7 @@ class SqlStateStore(StateStore):
             self._stored[session_id] = stored
             yield session
         if skipped:
-            log.error("%d session(s) could not be restored from the state store", skipped)
+            log.error(NOT_RESTORED_LOG, skipped)
 
     def save_session(self, session: SessionState, schema: RuleSchema) -> None:
         self._schema = schema

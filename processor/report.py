@@ -15,11 +15,12 @@ text report's last line counts those inputs and the JSON report lists the messag
 
 from __future__ import annotations
 
+import codecs
 import heapq
 import io
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, Final, TextIO
 
 import orjson
@@ -203,12 +204,11 @@ def render_text(report: Report) -> str:
     return buffer.getvalue()
 
 
-def write_json(report: Report, out: TextIO, violations_text: Iterable[str] | None = None) -> None:
+def write_json(report: Report, out: TextIO, write_violations: Callable[[TextIO], None] | None = None) -> None:
     """One JSON object (two-space indent); the violations are written one block at a time into it.
 
-    ``violations_text``: the report's violations list already serialized (``json_block``
-    blocks joined by ``",\n"``, in report order), in pieces written as they are, instead of
-    the report's own.
+    ``write_violations(out)``: writes the report's violations list already serialized
+    (``json_block`` blocks joined by ``",\n"``, in report order) instead of the report's own.
     """
     doc: dict[str, Any] = {
         "inputs": report.inputs,
@@ -227,11 +227,12 @@ def write_json(report: Report, out: TextIO, violations_text: Iterable[str] | Non
         out.write(text + "\n")
         return
     out.write(before)
-    if violations_text is None:
-        violations_text = _joined(json_block([v.to_json() for v in block])
-                                  for block in _blocks(report.ordered(), JSON_BLOCK))
-    for piece in violations_text:
-        out.write(piece)
+    if write_violations is not None:
+        write_violations(out)
+    else:
+        blocks = (json_block([v.to_json() for v in block]) for block in _blocks(report.ordered(), JSON_BLOCK))
+        for piece in _joined(blocks):
+            out.write(piece)
     out.write(after + "\n")
 
 
@@ -252,9 +253,34 @@ def json_block(objects: list[dict[str, Any]]) -> str:
     one-element list is: dumped that way, the outer brackets sliced off, the objects are
     indented where they belong with no pass over the text to re-indent it.
     """
+    return bytes(json_block_bytes(objects)).decode()
+
+
+def json_block_bytes(objects: list[dict[str, Any]]) -> memoryview:
+    """``json_block`` as UTF-8, without a copy: what a binary spool writes."""
     if not objects:
-        return ""
-    return orjson.dumps([objects], option=orjson.OPT_INDENT_2)[_NESTED_OPEN:-_NESTED_CLOSE].decode()
+        return memoryview(b"")
+    return memoryview(orjson.dumps([objects], option=orjson.OPT_INDENT_2))[_NESTED_OPEN:-_NESTED_CLOSE]
+
+
+def copy_utf8(source: IO[bytes], out: TextIO) -> None:
+    """UTF-8 text written to ``source`` (read from its start) onto ``out``: as bytes onto the
+    stream's buffer when it writes UTF-8, with no decoding and encoding again; else decoded."""
+    buffer = getattr(out, "buffer", None)
+    encoding = getattr(out, "encoding", None)
+    source.seek(0)
+    if buffer is not None and encoding and codecs.lookup(encoding).name == "utf-8":
+        out.flush()  # what the text layer holds goes first
+        while chunk := source.read(_COPY_CHUNK):
+            buffer.write(chunk)
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    while chunk := source.read(_COPY_CHUNK):
+        out.write(decoder.decode(chunk))
+    out.write(decoder.decode(b"", final=True))
+
+
+_COPY_CHUNK: Final = 1 << 20
 
 
 # Violations serialized together in the JSON report. A block's objects are built, dumped and

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import random
+import tempfile
 from collections import Counter
+from collections.abc import Callable
+from typing import TextIO
 
 import orjson
 import pytest
 
-from processor.report import Report, render_json, render_text
+from processor.report import Report, copy_utf8, render_json, render_text
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import Violation
 
@@ -117,3 +121,45 @@ def test_no_violations_is_ok_in_both_formats() -> None:
     assert render_text(report) == "OK: 3 action(s), no violations\n"
     assert orjson.loads(render_json(report))["violations"] == []
     assert '"violations": []' in render_json(report)
+
+
+# A character whose UTF-8 form is split by the copy's chunk boundary, then more text after it
+# (all of it within latin-1, so the latin-1 stream can hold it).
+_ACROSS_CHUNKS = "x" * ((1 << 20) - 1) + "é [a-1]: DS001 ...\n" + "ünïcode line\n" * 3
+
+
+def _utf8_stream() -> io.TextIOWrapper:
+    return io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+
+
+def _latin1_stream() -> io.TextIOWrapper:
+    return io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+
+
+def _written(out: TextIO) -> str:
+    if isinstance(out, io.StringIO):
+        return out.getvalue()
+    assert isinstance(out, io.TextIOWrapper)
+    buffer = out.buffer
+    assert isinstance(buffer, io.BytesIO)
+    return buffer.getvalue().decode(out.encoding)
+
+
+@pytest.mark.parametrize(
+    "make_out",
+    [
+        _utf8_stream,  # the bytes go to its buffer, after what its text layer still holds
+        _latin1_stream,  # another encoding: decoded (across the chunk boundary) and written as text
+        io.StringIO,  # no buffer at all
+    ],
+    ids=["utf-8", "latin-1", "string"],
+)
+def test_a_spooled_report_is_copied_whole_and_in_order_onto_any_text_stream(make_out: Callable[[], TextIO]) -> None:
+    with tempfile.TemporaryFile("w+b") as spool:
+        spool.write(_ACROSS_CHUNKS.encode())
+        out = make_out()
+        out.write("head\n")  # held by the text layer until the copy flushes it
+        copy_utf8(spool, out)
+        out.write("tail\n")
+        out.flush()
+    assert _written(out) == "head\n" + _ACROSS_CHUNKS + "tail\n"

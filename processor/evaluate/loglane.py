@@ -38,7 +38,7 @@ import hashlib
 import logging
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final, NamedTuple, TextIO
 
@@ -67,7 +67,7 @@ from processor.evaluate.cel._codegen import Conjunct, conjuncts, facts_when_true
 from processor.evaluate.engine import malformed_violation
 from processor.evaluate.model import MessageTemplate
 from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
-from processor.report import CONTROL_ESCAPES, JSON_BLOCK, json_block, printable, span_where
+from processor.report import CONTROL_ESCAPES, JSON_BLOCK, copy_utf8, json_block_bytes, printable, span_where
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import make_violation_id
 
@@ -117,8 +117,9 @@ class LogLane:
     def __init__(self, engine: Engine, fmt: str = "text") -> None:
         self.engine = engine
         self._text = fmt == "text"
-        # Violation lines of a text report, in the report's order, until write_text.
-        self._spool: IO[str] | None = None
+        # Violation lines of a text report (or a JSON report's violations list), in the report's
+        # order and encoded as UTF-8, until written out: copied as bytes, not decoded and encoded again.
+        self._spool: IO[bytes] | None = None
         # Lines per stretch (the unit of the switch between typed decoders), and the lines read in
         # stretches of each typed decoder (a diagnostic: how often lines carried fields no rule names).
         self.stretch = _STRETCH
@@ -167,7 +168,7 @@ class LogLane:
         self._width = self._malformed_offset + len(self._malformed)
         # The report's violations, in its order, until written: text lines, or the JSON report's
         # violations list as it will be written (blocks and the ",\n" between), copied out as it is.
-        self._spool = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._spool = tempfile.TemporaryFile("w+b")  # noqa: SIM115 (closed by close())
         self._objects: list[dict[str, Any]] = []
         self._json_blocks = 0
 
@@ -219,9 +220,7 @@ class LogLane:
 
         spool = self._spool
         assert spool is not None
-        spool.seek(0)
-        while chunk := spool.read(1 << 20):
-            out.write(chunk)
+        copy_utf8(spool, out)
         write_text_tail(self._report, out)
 
     def write_json(self, out: TextIO) -> None:
@@ -230,13 +229,7 @@ class LogLane:
 
         spool = self._spool
         assert spool is not None
-        spool.seek(0)
-
-        def pieces() -> Iterator[str]:
-            while chunk := spool.read(1 << 20):
-                yield chunk
-
-        write_json(self._report, out, pieces())
+        write_json(self._report, out, lambda into: copy_utf8(spool, into))
 
     def close(self) -> None:
         if self._spool is not None:
@@ -536,14 +529,15 @@ class LogLane:
         """Text lines, or a block of JSON violations, go to the spool in one write."""
         spool = self._spool
         assert spool is not None
-        if self._lines:
-            spool.write("\n".join(self._lines))
-            spool.write("\n")
-            self._lines.clear()
+        lines = self._lines
+        if lines:
+            lines.append("")  # the last line's newline
+            spool.write("\n".join(lines).encode())
+            lines.clear()
         if self._objects:
             if self._json_blocks:
-                spool.write(",\n")
-            spool.write(json_block(self._objects))
+                spool.write(b",\n")
+            spool.write(json_block_bytes(self._objects))
             self._json_blocks += 1
             self._objects.clear()
 

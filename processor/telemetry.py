@@ -88,6 +88,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("outbox_pending", "durable_check_outbox_pending", "gauge",
                "Violations recorded in the outbox whose delivery an exporter has not yet confirmed.",
                ("exporter",)),
+    MetricSpec("sessions_not_restored", "durable_check_sessions_not_restored", "counter",
+               "Sessions the state store held that could not be read back when the evaluator started or "
+               "rebuilt its engine: their rule state is lost, so later violations in them may be missed. "
+               "Logged as a count, without ids."),
     MetricSpec("state_failures", "durable_check_state_failures", "counter",
                "Failed state store operations, by kind (locked, full, corrupt, read_only, connection, other).",
                ("kind",)),
@@ -133,6 +137,7 @@ class Telemetry:
     journal_depth: Gauge
     journal_bytes: Gauge
     outbox_pending: Gauge
+    sessions_not_restored: Counter
     state_failures: Counter
     requests_set_aside: Counter
 

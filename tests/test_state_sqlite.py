@@ -596,3 +596,39 @@ def _read_jsonl_violations(tmp: Path) -> list[Violation]:
                                  session_id=doc["session_id"], action_id=doc["action_id"],
                                  message=doc["message"], violation_id=doc["violation_id"]))
     return out
+
+
+def test_a_stored_session_that_cannot_be_read_back_is_counted_and_the_others_restore(tmp_path: Path) -> None:
+    from processor.telemetry import Telemetry
+
+    path = tmp_path / "state.db"
+    items = _mixed_items(seed=4)
+    store = SqliteStore(path)
+    engine = Engine(shipped(), EngineOptions(), store)
+    for i in range(0, len(items), 7):
+        engine.submit_many(items[i:i + 7])
+    stored = sorted(s.session_id for s in store.load_sessions(engine.schema))
+    store.close()
+    assert len(stored) >= 5
+    damaged = stored[2]
+    with sqlite3.connect(path) as db:  # a base row no version of the schema can read
+        assert db.execute("UPDATE sessions SET body = ? WHERE session_id = ?", (b"\x00\xff", damaged)).rowcount == 1
+
+    telemetry = Telemetry()
+    again = SqliteStore(path)
+    restarted = Engine(shipped(), EngineOptions(), again, telemetry)
+    assert again.sessions_not_restored() == 1
+    assert _gauge(telemetry, "durable_check_sessions_not_restored_total") == 1
+    # Every other session came back; the damaged one is not in the engine.
+    assert [s for s in stored if restarted.holds_session(s)] == [s for s in stored if s != damaged]
+
+    # At its next span the damaged session starts again empty, and its rows are written anew.
+    restarted.submit_many([Spans(trace_id="0" * 31 + "1")(1_000.0, damaged, kind="checkpoint")])
+    again.close()
+    fresh = Telemetry()
+    third = SqliteStore(path)
+    Engine(shipped(), EngineOptions(), third, fresh)
+    assert third.sessions_not_restored() == 0
+    assert _gauge(fresh, "durable_check_sessions_not_restored_total") == 0
+    assert damaged in {s.session_id for s in third.load_sessions(restarted.schema)}
+    third.close()

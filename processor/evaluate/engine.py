@@ -824,6 +824,9 @@ class Engine:
             holder = self._sessions.get(item.action.session_id)
             if holder is not None:
                 holder.buffered += 1
+        not_restored = self._store.sessions_not_restored()
+        if not_restored and self._telemetry is not None:
+            self._telemetry.sessions_not_restored.inc(not_restored)
         return state
 
     # -- public API ---------------------------------------------------------------

@@ -64,6 +64,7 @@ def pipeline_status(telemetry: Telemetry) -> dict[str, Any]:
             "journal_depth": _total(s, "durable_check_journal_depth"),
             "journal_bytes": _total(s, "durable_check_journal_bytes"),
             "failures": _by(s, "durable_check_state_failures_total", "kind"),
+            "sessions_not_restored": _total(s, "durable_check_sessions_not_restored_total"),
         },
         "exporters": [{"name": name, **values} for name, values in sorted(exporters.items())],
     }

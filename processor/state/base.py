@@ -74,6 +74,10 @@ class StateStore(ABC):
     def load_sessions(self, schema: RuleSchema) -> Iterator[SessionState]:
         """Every saved session, least recently active first (the engine rebuilds its LRU in this order)."""
 
+    def sessions_not_restored(self) -> int:
+        """Sessions the last ``load_sessions`` found stored but could not read back (skipped, not raised)."""
+        return 0
+
     @abstractmethod
     def save_session(self, session: SessionState, schema: RuleSchema) -> None:
         """Remember a changed session as of the next commit (``session.to_plain(schema)`` to persist it)."""

@@ -150,6 +150,7 @@ class SqlStateStore(StateStore):
         # Per session, what the database holds (the basis of writing only what changed), and the
         # changes to it that the transaction being written makes (applied once it committed).
         self._stored: dict[str, Stored] = {}
+        self._not_restored = 0  # sessions the last load_sessions skipped
         self._storing: dict[str, Stored | None] = {}
         # The ids of the rules whose groups are written by group (RuleSchema.by_group), for this schema.
         self._by_group_schema: RuleSchema | None = None
@@ -562,8 +563,12 @@ class SqlStateStore(StateStore):
                 continue
             self._stored[session_id] = stored
             yield session
+        self._not_restored = skipped
         if skipped:
             log.error(NOT_RESTORED_LOG, skipped)
+
+    def sessions_not_restored(self) -> int:
+        return self._not_restored
 
     def save_session(self, session: SessionState, schema: RuleSchema) -> None:
         self._schema = schema

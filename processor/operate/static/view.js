@@ -226,7 +226,8 @@
       ["Backend", setup.state || "—"], ["Sessions in this view", `${data.sessions_in_view}`],
       ["Shown", setup.scope || "—"],
       ["Journal", `${data.state.journal_depth} request(s), ${data.state.journal_bytes} bytes`],
-      ["Failures", `${sum(data.state.failures)}`]]));
+      ["Failures", `${sum(data.state.failures)}`],
+      ["Sessions not restored at start", `${data.state.sessions_not_restored}`]]));
     main.append(el("h2", {}, "Exporters"), table("Exporters", ["Exporter", "Last delivery", "Sent", "Failed attempts", "Dropped", "Retry queue", "Outbox pending"],
       data.exporters.map((e) => el("tr", {}, el("td", {}, e.name),
         el("td", {}, e.last_success ? when(e.last_success * 1e9) : "never"),

@@ -93,3 +93,36 @@ def test_the_status_line_comes_while_running_when_something_changed(
         time.sleep(1.0)
         # Nothing changed since: no more lines.
         assert len([r for r in caplog.records if r.getMessage().startswith("status:")]) == 1
+
+
+def test_a_start_that_cannot_read_a_stored_session_counts_it_and_serves_the_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sqlite3
+
+    config = serve_config(tmp_path, {"state": {"backend": "sqlite", "path": str(tmp_path / "state.db")}})
+    sessions = [{**span, "durable.session.id": f"restore-{n}", "durable.action.id": f"{span['durable.action.id']}-{n}",
+                 "durable.idempotency_key": f"k-{n}"} for n in range(3) for span in SESSION]
+    with running(config) as server:
+        request = make_request(*sessions, start_ns=time.time_ns())
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            export = channel.unary_unary(f"/{TRACE_SERVICE}/Export", request_serializer=None,
+                                         response_deserializer=None)
+            export(request.SerializeToString(), timeout=10)
+    with sqlite3.connect(tmp_path / "state.db") as db:
+        stored = sorted(row[0] for row in db.execute("SELECT session_id FROM sessions"))
+        assert stored == ["restore-0", "restore-1", "restore-2"]
+        db.execute("UPDATE sessions SET body = ? WHERE session_id = 'restore-1'", (b"\x00\xff",))
+
+    caplog.set_level(logging.ERROR, logger="processor.state.sqlstore")
+    config.evaluate.flush_window_on_stop = True
+    with running(config) as server:
+        counted = server.telemetry.registry.get_sample_value("durable_check_sessions_not_restored_total")
+        assert counted == 1
+        assert server.pipeline.engine.holds_session("restore-0")
+        assert not server.pipeline.engine.holds_session("restore-1")
+    assert "1 session(s) could not be restored from the state store" in caplog.text
+    assert "restore-1" not in caplog.text, "no ids in the log"
+    # The sessions it restored finish as they would have: DS110 for each, once the window is evaluated.
+    fired = sorted(d["session_id"] for d in read_jsonl(tmp_path / "violations.jsonl") if d["rule"] == "DS110")
+    assert "restore-0" in fired and "restore-2" in fired

@@ -253,7 +253,7 @@ def json_block(objects: list[dict[str, Any]]) -> str:
     one-element list is: dumped that way, the outer brackets sliced off, the objects are
     indented where they belong with no pass over the text to re-indent it.
     """
-    return bytes(json_block_bytes(objects)).decode()
+    return str(json_block_bytes(objects), "utf-8")  # decoded from the view: no copy of the bytes first
 
 
 def json_block_bytes(objects: list[dict[str, Any]]) -> memoryview:
@@ -261,6 +261,10 @@ def json_block_bytes(objects: list[dict[str, Any]]) -> memoryview:
     if not objects:
         return memoryview(b"")
     return memoryview(orjson.dumps([objects], option=orjson.OPT_INDENT_2))[_NESTED_OPEN:-_NESTED_CLOSE]
+
+
+# What copy_utf8 reads from the spool at a time.
+_COPY_CHUNK: Final = 1 << 20
 
 
 def copy_utf8(source: IO[bytes], out: TextIO) -> None:
@@ -278,9 +282,6 @@ def copy_utf8(source: IO[bytes], out: TextIO) -> None:
     while chunk := source.read(_COPY_CHUNK):
         out.write(decoder.decode(chunk))
     out.write(decoder.decode(b"", final=True))
-
-
-_COPY_CHUNK: Final = 1 << 20
 
 
 # Violations serialized together in the JSON report. A block's objects are built, dumped and

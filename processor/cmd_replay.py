@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import IO, TYPE_CHECKING, Any, TextIO
 
 from processor.errors import InputError
 
@@ -148,10 +148,15 @@ def run(args: argparse.Namespace) -> int:
 
             lane = LogLane(pipeline.engine, args.format)
             if lane.usable:
+                report_file = _ReportFile.open(args) if args.format == "text" else None
+                if report_file is not None:
+                    lane.write_into(report_file.buffer)
                 try:
-                    return _replay_lane(args, lane, report, said)
+                    return _replay_lane(args, lane, report, said, report_file)
                 except LaneAborted as exc:
                     log.info("replay: %s; running the full engine from the start", exc)
+                    if report_file is not None:
+                        report_file.undo()
                 finally:
                     lane.close()
                     report.close()
@@ -181,11 +186,12 @@ def _lane_may_apply(args: argparse.Namespace) -> bool:
     return True
 
 
-def _replay_lane(args: argparse.Namespace, lane: Any, report: Report, said: set[str]) -> int:
+def _replay_lane(args: argparse.Namespace, lane: Any, report: Report, said: set[str],
+                 report_file: _ReportFile | None = None) -> int:
     from processor.report import verdict_line
 
     lane.run(list(args.inputs), args.input_format, report, said)
-    out = _open_output(args)
+    out = report_file.out if report_file is not None else _open_output(args)
     if out is None:
         return 2
     try:
@@ -250,6 +256,89 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callabl
     finally:
         report.close()
     return report.exit_code
+
+
+class _ReportFile:
+    """The text report's file, written as the action-log lane finds violations, when it can be
+    cut back to where the report began should the lane give up (the full engine then writes the
+    report from the start): a regular file, not opened for appending (what others append after
+    the report would be cut too), in UTF-8, and not one of the inputs."""
+
+    def __init__(self, out: TextIO, buffer: IO[bytes], start: int, *, owned: bool) -> None:
+        self.out = out
+        self.buffer = buffer
+        self._start = start
+        self._owned = owned
+
+    @classmethod
+    def open(cls, args: argparse.Namespace) -> _ReportFile | None:
+        import codecs
+        import os
+        import stat
+
+        if args.output:
+            if any(_same_file(path, args.output) for path in args.inputs):
+                return None  # read first, written after: the spool keeps that working
+            try:
+                out: TextIO = open(args.output, "w", encoding="utf-8")  # noqa: SIM115 (closed by the caller)
+            except OSError:
+                return None  # said when the report is written, as without this file
+        else:
+            out = sys.stdout
+        try:
+            fd = out.fileno()
+            status = os.fstat(fd)
+            regular = stat.S_ISREG(status.st_mode)
+            appending = bool(_file_flags(fd) & os.O_APPEND)
+            utf8 = codecs.lookup(out.encoding).name == "utf-8"
+            buffer = getattr(out, "buffer", None)
+            if not regular or appending or not utf8 or buffer is None or _is_input(status, args.inputs):
+                raise OSError("not a file the report can be cut back in")
+            out.flush()
+            start = buffer.seek(0, os.SEEK_CUR)
+        except (OSError, ValueError, AttributeError, LookupError):
+            if out is not sys.stdout:
+                out.close()
+            return None
+        return cls(out, buffer, start, owned=out is not sys.stdout)
+
+    def undo(self) -> None:
+        """Cut what the lane wrote: the file ends where the report began."""
+        import os
+
+        self.buffer.flush()
+        os.ftruncate(self.out.fileno(), self._start)
+        self.buffer.seek(self._start)
+        if self._owned:
+            self.out.close()  # the full engine opens --output afresh
+
+
+def _is_input(status: Any, inputs: list[str]) -> bool:
+    import os
+
+    for path in inputs:
+        try:
+            found = os.stat(path)
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (status.st_dev, status.st_ino):
+            return True
+    return False
+
+
+def _same_file(path: str, other: str) -> bool:
+    import os
+
+    try:
+        return os.path.samefile(path, other)
+    except OSError:
+        return False
+
+
+def _file_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
 def _open_output(args: argparse.Namespace) -> TextIO | None:

@@ -371,3 +371,91 @@ def test_generated_expressions_equal_their_closures(source: str, fields: dict[st
     activation = {"record": record, "meta": {"source": "log", "line": 1, "time_ns": 0, "synthetic_action_id": False},
                   "lists": {"kinds": ["llm_call", "payment"]}}  # fmt: skip
     assert function(record, 1, None) is expression.evaluate(activation)
+
+
+def _lane_then_engine_log(directory: Path) -> str:
+    """A log whose first stretches are violations (written out by the lane) and whose last line
+    spans the idle timeout, so the lane gives up after writing and replay starts over on the engine."""
+    lines = [
+        orjson.dumps({"session_id": f"s{n % 7}", "action_id": f"a{n}", "kind": "payment", "status": "ok",
+                      "time": "2026-01-01T00:00:00Z"})
+        for n in range(3 * 1024)
+    ]
+    lines.append(orjson.dumps({"session_id": "s1", "action_id": "late", "kind": "payment", "status": "ok",
+                               "time": "2026-03-01T00:00:00Z"}))
+    return _write(str(directory), "a.jsonl", lines)
+
+
+def _replay_process(args: list[str], stdout: Any) -> int:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "processor.cli", "replay", *args], stdout=stdout,
+                          stderr=subprocess.DEVNULL, check=False, timeout=120).returncode
+
+
+@pytest.mark.parametrize("where", ["stdout-file", "stdout-appended", "stdout-pipe", "output-option"])
+def test_a_text_report_written_into_its_file_is_cut_back_when_the_lane_gives_up(tmp_path: Path, where: str) -> None:
+    """The lane writes a text report's lines straight into a regular file it may cut back (not one
+    opened for appending, not a pipe): what it wrote before giving up is gone, and the file holds
+    what was there before and the full engine's report, byte for byte."""
+    import subprocess
+
+    log = _lane_then_engine_log(tmp_path)
+    expected = tmp_path / "engine.txt"
+    with expected.open("wb") as handle:
+        assert _replay_process(["--pack", "durable-sessions", "--full-engine", log], handle) == 1
+    assert expected.stat().st_size > 3 * 1024 * 100  # the lane had a stretch's lines to write first
+    report = tmp_path / "report.txt"
+    report.write_bytes(b"kept before the report\n")
+    prefix = b"kept before the report\n"
+    if where == "output-option":
+        assert _replay_process(["--pack", "durable-sessions", log, "--output", str(report)], None) == 1
+        prefix = b""  # --output replaces the file
+    elif where == "stdout-pipe":
+        done = subprocess.run([*_cli(), "replay", "--pack", "durable-sessions", log], capture_output=True,
+                              check=False, timeout=120)
+        assert done.returncode == 1
+        report.write_bytes(prefix + done.stdout)
+    else:
+        with report.open("ab" if where == "stdout-appended" else "r+b") as handle:
+            handle.seek(0, os.SEEK_END)
+            assert _replay_process(["--pack", "durable-sessions", log], handle) == 1
+    assert report.read_bytes() == prefix + expected.read_bytes()
+
+
+def _cli() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "processor.cli"]
+
+
+def test_the_lane_writes_into_the_report_file_and_undo_cuts_it_back(tmp_path: Path) -> None:
+    """The mechanism itself: lines reach the file while the lane runs, and undo leaves the file as it began."""
+    import argparse
+
+    from processor.cmd_replay import _ReportFile
+    from processor.evaluate.engine import Engine
+    from processor.evaluate.loglane import LaneAborted
+    from processor.evaluate.rulefmt import load_rules
+    from processor.report import Report
+
+    log = _lane_then_engine_log(tmp_path)
+    out = tmp_path / "out.txt"
+    args = argparse.Namespace(output=str(out), inputs=[log])
+    report_file = _ReportFile.open(args)
+    assert report_file is not None
+    lane = LogLane(Engine(load_rules([], packs=["durable-sessions"])), "text")
+    lane.write_into(report_file.buffer)
+    try:
+        with pytest.raises(LaneAborted, match="idle timeout"):
+            lane.run([log], None, Report([log]), set())
+        report_file.buffer.flush()
+        assert out.stat().st_size > 3 * 1024 * 100  # three stretches of lines were written before it gave up
+        report_file.undo()
+        assert out.stat().st_size == 0
+    finally:
+        lane.close()
+        report_file.out.close()
+    # Reading an input and writing the report into the same file keeps the spool (read first, written after).
+    assert _ReportFile.open(argparse.Namespace(output=log, inputs=[log])) is None

@@ -17,7 +17,9 @@ the same rules without it:
 - a condition's top-level terms that several rules share are tested once, the rules
   nested under them (``_factored``);
 - a text report's violation lines are written as they are found, already in the
-  report's order, to a spool copied out after the run; nothing per violation is kept.
+  report's order, to a spool copied out after the run, or straight into the report's file
+  when it is a regular file that can be cut back should the lane give up (``write_into``);
+  nothing per violation is kept.
 
 It gives the engine's verdicts, counts and summary exactly (``tests/test_loglane.py``
 compares both on random logs, every format). What it cannot reproduce it does not
@@ -120,6 +122,8 @@ class LogLane:
         # Violation lines of a text report (or a JSON report's violations list), in the report's
         # order and encoded as UTF-8, until written out: copied as bytes, not decoded and encoded again.
         self._spool: IO[bytes] | None = None
+        # True: the text report's lines go straight into the report's own file (write_into).
+        self._direct = False
         # Lines per stretch (the unit of the switch between typed decoders), and the lines read in
         # stretches of each typed decoder (a diagnostic: how often lines carried fields no rule names).
         self.stretch = _STRETCH
@@ -168,19 +172,34 @@ class LogLane:
         self._width = self._malformed_offset + len(self._malformed)
         # The report's violations, in its order, until written: text lines, or the JSON report's
         # violations list as it will be written (blocks and the ",\n" between), copied out as it is.
-        self._spool = tempfile.TemporaryFile("w+b")  # noqa: SIM115 (closed by close())
         self._objects: list[dict[str, Any]] = []
         self._json_blocks = 0
 
     # -- running --------------------------------------------------------------------
 
+    def write_into(self, report_file: IO[bytes]) -> None:
+        """Write a text report's violation lines into ``report_file`` (UTF-8) as they are found.
+
+        The report's violation lines come first, so they need no spool when the report goes to
+        a file that can be cut back: the caller undoes what was written if ``run`` raises
+        LaneAborted (``processor.cmd_replay``'s ``_ReportFile``), and ``write_text`` then adds only
+        the tail. Saves writing every line to a spool and reading it back.
+        """
+        if not self._text:
+            raise ValueError("only a text report is written as it is found")
+        self._spool = report_file
+        self._direct = True
+
     def run(self, inputs: list[str], input_format: str | None, report: Report, said: set[str]) -> None:
         """Read every input into ``report`` (counts, summary; JSON: its violations); raises LaneAborted.
 
-        A text report's violation lines wait in a spool for ``write_text``.
+        A text report's violation lines wait in a spool for ``write_text`` (unless ``write_into``
+        named the report's file).
         """
         from processor.receive.files import action_line_blocks, close_input, open_input
 
+        if self._spool is None:
+            self._spool = tempfile.TemporaryFile("w+b")  # noqa: SIM115 (closed by close())
         options = self.engine.options
         # Session -> its actions by kind; (session or None, rule) -> violations, counted at each block's end.
         self._sessions: dict[str, dict[str, int]] = {}
@@ -220,7 +239,10 @@ class LogLane:
 
         spool = self._spool
         assert spool is not None
-        copy_utf8(spool, out)
+        if self._direct:
+            spool.flush()  # the lines are in the file: the tail follows them through the text layer
+        else:
+            copy_utf8(spool, out)
         write_text_tail(self._report, out)
 
     def write_json(self, out: TextIO) -> None:
@@ -232,9 +254,9 @@ class LogLane:
         write_json(self._report, out, lambda into: copy_utf8(spool, into))
 
     def close(self) -> None:
-        if self._spool is not None:
+        if self._spool is not None and not self._direct:
             self._spool.close()
-            self._spool = None
+        self._spool = None
 
     def _read(self, blocks: Iterable[tuple[int, Any, bool]], origin: str) -> None:
         from processor.receive._streams import TooLong

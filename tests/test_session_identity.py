@@ -122,6 +122,46 @@ def test_nearest_ancestor_wins_over_another_session_of_the_trace(traced: Any) ->
     assert sessions_of(checker) == {"inner": {"llm_call": 1}, "outer": {"llm_call": 1}}
 
 
+def test_a_remembered_span_is_kept_once_and_rows_of_older_builds_resolve_the_same(traced: Any) -> None:
+    """A span that names a session is remembered by its session alone (the walk up stops there), one
+    that names none by its parent: a trace's row holds each span once. A row written when named
+    spans were also kept with their parents reads back to the same answers."""
+    tracer, memory, clock = traced
+    llm = {"openinference.span.kind": "LLM"}
+    with (
+        span(tracer, clock, "run", {"session.id": "outer", "openinference.span.kind": "CHAIN"}),
+        span(tracer, clock, "workflow", {"openinference.span.kind": "CHAIN"}),
+    ):
+        with (
+            span(tracer, clock, "sub-agent", {"session.id": "inner", "openinference.span.kind": "AGENT"}),
+            span(tracer, clock, "chat", llm),
+        ):
+            pass
+        with span(tracer, clock, "chat", llm):
+            pass
+    spans = memory.get_finished_spans()
+    for order in itertools.permutations(spans):
+        checker = engine()
+        checker.submit_many(convert(order))
+        checker.finish()
+        assert sessions_of(checker) == {"inner": {"llm_call": 1}, "outer": {"llm_call": 1}}
+    ids = {s.name: format(s.context.span_id, "016x") for s in spans}
+    checker = engine()
+    checker.submit_many(convert(spans))
+    (trace_id, plain), = checker._state.identity.to_plain()["traces"]
+    assert set(plain["named"]) == {ids["run"], ids["sub-agent"]}
+    assert set(plain["parents"]) == {ids["workflow"]}  # the only ancestor that names no session
+
+    # As an older build wrote it: the named spans also under "parents", with their parents.
+    older = {**plain, "parents": {**plain["parents"], ids["run"]: "", ids["sub-agent"]: ids["workflow"]}}
+    state = IdentityState.from_plain({"max_event_ns": 0, "traces": [[trace_id, older]]})
+    trace = state.traces[trace_id]
+    assert set(trace.parents) == {ids["workflow"]} and set(trace.named) == {ids["run"], ids["sub-agent"]}
+    resolver = IdentityResolver(state, 5 * _NS)
+    assert resolver._session_of(trace, ids["workflow"], final=False) == "outer"
+    assert resolver._session_of(trace, ids["sub-agent"], final=False) == "inner"
+
+
 def test_a_conversation_over_two_traces_is_one_session(traced: Any) -> None:
     tracer, memory, clock = traced
     # OpenLLMetry: association properties on the workflow and tool spans, not on the model calls.

@@ -76,8 +76,11 @@ class _Trace:
     __slots__ = ("first", "held", "last_ns", "linked", "named", "offers", "parents", "plain")
 
     def __init__(self) -> None:
-        # Parents of the spans that may be ancestors of others: agent and workflow runs
-        # (session marks) and spans that name a session. Leaf actions are not kept.
+        # The spans that may be ancestors of others (agent and workflow runs, session marks,
+        # spans that name a session; leaf actions are not kept), in one of two maps: a span
+        # that names a session is in ``named`` (the walk up stops there, its parent is never
+        # read), one that names none in ``parents`` (the walk goes on to its parent). A span
+        # is in one of them only, so a trace's row does not carry the named spans twice.
         self.parents: dict[str, str] = {}
         # Tool spans linked to a call id: a span delivered again takes the same one.
         self.linked: dict[str, str] = {}
@@ -170,8 +173,9 @@ class IdentityState:
         state.max_event_ns = int(plain["max_event_ns"])
         for trace_id, body in plain["traces"]:
             trace = _Trace()
-            trace.parents = {str(k): str(v) for k, v in body["parents"].items()}
             trace.named = {str(k): str(v) for k, v in body["named"].items()}
+            # Rows written before a named span left ``parents`` hold it in both maps.
+            trace.parents = {str(k): str(v) for k, v in body["parents"].items() if k not in trace.named}
             trace.first = body["first"]
             trace.linked = {str(k): str(v) for k, v in body["linked"].items()}
             trace.last_ns = int(body["last_ns"])
@@ -316,10 +320,13 @@ class IdentityResolver:
             self.state.forget(trace_id)
 
     def _remember(self, trace: _Trace, span_id: str, parent: str, session: str | None, *, ancestor: bool) -> None:
-        if ancestor and len(trace.parents) < MAX_SPANS_PER_TRACE:
-            trace.parents[span_id] = parent
+        if ancestor and _remembered(trace) < MAX_SPANS_PER_TRACE:
             if session:
                 trace.named[span_id] = session
+                if trace.parents:
+                    trace.parents.pop(span_id, None)
+            elif span_id not in trace.named:
+                trace.parents[span_id] = parent
         if session and trace.first is None:
             trace.first = session
 
@@ -373,7 +380,7 @@ class IdentityResolver:
                 return session
             grandparent = parents.get(span)
             if grandparent is None:
-                if not final and len(parents) < MAX_SPANS_PER_TRACE:
+                if not final and len(parents) + len(named) < MAX_SPANS_PER_TRACE:
                     return None
                 break
             span = grandparent
@@ -491,6 +498,11 @@ class IdentityResolver:
         if self._pending_release:
             out.extend(self._pending_release)
             self._pending_release.clear()
+
+
+def _remembered(trace: _Trace) -> int:
+    """Spans a trace remembers as possible ancestors (bounded by MAX_SPANS_PER_TRACE)."""
+    return len(trace.parents) + len(trace.named)
 
 
 def _action_to_plain(action: Action) -> dict[str, Any]:

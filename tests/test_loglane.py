@@ -459,3 +459,22 @@ def test_the_lane_writes_into_the_report_file_and_undo_cuts_it_back(tmp_path: Pa
         report_file.out.close()
     # Reading an input and writing the report into the same file keeps the spool (read first, written after).
     assert _ReportFile.open(argparse.Namespace(output=log, inputs=[log])) is None
+
+
+def test_action_ids_with_control_and_non_ascii_characters_are_escaped_as_the_engine_escapes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A violation's place in the text report names the action id, escaped where the report escapes;
+    the lane writes the usual place itself (no span), and must escape it the same way."""
+    odd = ["a\x1b[31m", "caf\u00e9", "a\u2028b", "tab\there", "plain", "nul\x00l", "\u00e9\x07"]
+    lines = [
+        orjson.dumps({"session_id": "s1", "action_id": action_id, "kind": "payment", "status": "ok"})
+        for action_id in odd
+    ]
+    lines.append(orjson.dumps({"session_id": "s1", "action_id": "with-span", "kind": "payment", "status": "ok",
+                               "trace_id": "0af7651916cd43dd8448eb211c80319c", "span_id": "b7ad6b7169203331"}))
+    log = _write(str(tmp_path), "a.jsonl", lines)
+    code, out, _ = _both(["--pack", "durable-sessions", log], capsys)
+    assert code == 1
+    assert "\x1b" not in out and "\x07" not in out and "\x00" not in out
+    assert "[caf\u00e9]" in out  # printable non-ASCII is kept as it is

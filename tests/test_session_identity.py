@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -105,10 +106,14 @@ def test_session_named_on_some_spans_only_is_one_session_in_every_arrival_order(
     assert verdicts[0] and all(v == verdicts[0] for v in verdicts)
 
 
-def test_nearest_ancestor_wins_over_another_session_of_the_trace(traced: Any) -> None:
-    tracer, memory, clock = traced
+def outer_and_inner(tracer: Tracer, clock: Clock, *, workflow: bool = False) -> None:
+    """A run naming "outer" (under it, with ``workflow``, a chain naming no session), holding a
+    sub-agent naming "inner" with a chat under it, and a chat of its own."""
     llm = {"openinference.span.kind": "LLM"}
-    with span(tracer, clock, "run", {"session.id": "outer", "openinference.span.kind": "CHAIN"}):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(span(tracer, clock, "run", {"session.id": "outer", "openinference.span.kind": "CHAIN"}))
+        if workflow:
+            stack.enter_context(span(tracer, clock, "workflow", {"openinference.span.kind": "CHAIN"}))
         with (
             span(tracer, clock, "sub-agent", {"session.id": "inner", "openinference.span.kind": "AGENT"}),
             span(tracer, clock, "chat", llm),
@@ -116,6 +121,11 @@ def test_nearest_ancestor_wins_over_another_session_of_the_trace(traced: Any) ->
             pass
         with span(tracer, clock, "chat", llm):
             pass
+
+
+def test_nearest_ancestor_wins_over_another_session_of_the_trace(traced: Any) -> None:
+    tracer, memory, clock = traced
+    outer_and_inner(tracer, clock)
     checker = engine()
     checker.submit_many(convert(memory.get_finished_spans()))
     checker.finish()
@@ -127,18 +137,7 @@ def test_a_remembered_span_is_kept_once_and_rows_of_older_builds_resolve_the_sam
     that names none by its parent: a trace's row holds each span once. A row written when named
     spans were also kept with their parents reads back to the same answers."""
     tracer, memory, clock = traced
-    llm = {"openinference.span.kind": "LLM"}
-    with (
-        span(tracer, clock, "run", {"session.id": "outer", "openinference.span.kind": "CHAIN"}),
-        span(tracer, clock, "workflow", {"openinference.span.kind": "CHAIN"}),
-    ):
-        with (
-            span(tracer, clock, "sub-agent", {"session.id": "inner", "openinference.span.kind": "AGENT"}),
-            span(tracer, clock, "chat", llm),
-        ):
-            pass
-        with span(tracer, clock, "chat", llm):
-            pass
+    outer_and_inner(tracer, clock, workflow=True)
     spans = memory.get_finished_spans()
     for order in itertools.permutations(spans):
         checker = engine()

@@ -296,7 +296,7 @@ class _ReportFile:
                 raise OSError("not a file the report can be cut back in")
             out.flush()
             start = buffer.seek(0, os.SEEK_CUR)
-        except (OSError, ValueError, AttributeError, LookupError):
+        except (OSError, ValueError, AttributeError, LookupError, ImportError):  # ImportError: no fcntl
             if out is not sys.stdout:
                 out.close()
             return None

@@ -1,12 +1,14 @@
 """``durable-check replay``: the streaming engine over trace dumps and action logs.
 
-Exit 0: no violations; 1: violations or malformed items; 2: an input could not be read, or a usage error.
+Exit 0: no violations; 1: violations or malformed items; 2: an input could not be read, the report could not
+be written, or a usage error.
 Replay is the serve pipeline fed from files: the same converter, engine and rules.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import sys
@@ -14,11 +16,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, TextIO
 
-from processor.errors import InputError
+from processor.errors import InputError, OutputError
 
 if TYPE_CHECKING:
     from processor.config import Config
     from processor.convert import SpanConverter
+    from processor.evaluate.engine import EngineOptions
     from processor.evaluate.model import RuleSet
     from processor.pipeline import Pipeline
     from processor.report import Report
@@ -36,7 +39,8 @@ def register(subparsers: Any) -> None:
         help="check trace dumps or action logs offline",
         description=(
             "Check whether the sessions in trace dumps or action logs would survive a crash. "
-            "Exit 0: no violations; 1: violations or malformed items; 2: an input could not be read."
+            "Exit 0: no violations; 1: violations or malformed items; 2: an input could not be read or the report "
+            "could not be written."
         ),
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="file to read (gzip/zstd ok); - for standard input")
@@ -142,6 +146,23 @@ def run(args: argparse.Namespace) -> int:
 
     report = Report(inputs=list(args.inputs))
     said: set[str] = set()
+    try:
+        return _run_replay(args, config=config, pipeline=pipeline, ruleset=ruleset, options=options, report=report,
+                           said=said)
+    except BrokenPipeError:
+        raise  # a reader that closed early: the command line's own answer
+    except OSError as exc:
+        # Inputs that cannot be read are InputErrors by now: what fails here is writing the report.
+        raise _unwritable(args, exc) from None
+
+
+def _run_replay(args: argparse.Namespace, *, config: Config | None, pipeline: Pipeline, ruleset: RuleSet,
+                options: EngineOptions, report: Report, said: set[str]) -> int:
+    """The lane where it applies (starting over on the engine if it gives way), else the engine."""
+    from processor.evaluate.engine import Engine
+    from processor.pipeline import Pipeline
+    from processor.report import Report
+
     with _paced_garbage_collection():
         if not args.full_engine and _lane_may_apply(args):
             from processor.evaluate.loglane import LaneAborted, LogLane
@@ -165,6 +186,22 @@ def run(args: argparse.Namespace) -> int:
                 report = Report(inputs=list(args.inputs))
         # The span converter (and protobuf) is loaded only for replays that may read spans.
         return _replay(args, pipeline, lambda: make_converter(args.config, config), report, ruleset, said=said)
+
+
+def _unwritable(args: argparse.Namespace, exc: OSError) -> OutputError:
+    """The error for a report that cannot be written (a full disk, say), said once, without a traceback."""
+    import os
+
+    from processor.report import printable
+
+    where = f"--output {printable(args.output)}" if args.output else "standard output"
+    if not args.output:
+        # What standard output still buffers would fail again as the process exits: it goes nowhere.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+    return OutputError(f"cannot write the report to {where} ({exc.strerror or type(exc).__name__})")
 
 
 def _lane_may_apply(args: argparse.Namespace) -> bool:

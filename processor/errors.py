@@ -46,6 +46,10 @@ class InputError(DurableCheckError):
     """An input cannot be read at all (replay exits 2)."""
 
 
+class OutputError(DurableCheckError):
+    """A report or converted output cannot be written (a full disk, a closed file): exit 2."""
+
+
 class ExpressionError(DurableCheckError):
     """A CEL expression does not parse or type-check; line and col are 1-based within the expression."""
 

@@ -153,3 +153,25 @@ def test_stdin_is_named_alike_in_inputs_and_violations(
         ("<stdin>", "from-stdin"),
         (str(other), "from-file"),
     ]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device every write to fails")
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--format", "json"], ["--full-engine"], ["--format", "sarif"], ["--output", "/dev/full"]],
+    ids=["lane-text", "lane-json", "engine-text", "engine-sarif", "output-option"],
+)
+def test_a_report_that_cannot_be_written_is_one_clear_error(tmp_path: Path, extra: list[str]) -> None:
+    """A full disk (here /dev/full) is said once, naming where the report went, exit 2: no traceback,
+    and nothing more when the process ends with standard output still holding what it could not write."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "actions.jsonl"
+    log.write_bytes(b"".join(_record(f"a{n}", kind="payment") for n in range(3000)))
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run([sys.executable, "-m", "processor.cli", "replay", *extra, str(log)], stdout=full,
+                              stderr=subprocess.PIPE, check=False, timeout=120)
+    where = "--output /dev/full" if "--output" in extra else "standard output"
+    assert done.returncode == 2
+    assert done.stderr.decode() == f"durable-check: cannot write the report to {where} (No space left on device)\n"

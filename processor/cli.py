@@ -51,7 +51,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # Output piped into `head` and closed early: not an error of ours.
         return EXIT_OK
+    except OSError as exc:
+        # The commands turn what they read into InputError or ConfigError; what is left is the
+        # machine's answer to a write (a full disk, a closed device): said once, not a traceback.
+        from processor.report import printable
+
+        quiet_stdout()
+        detail = exc.strerror or type(exc).__name__
+        where = f"{printable(str(exc.filename))}: " if exc.filename else ""
+        sys.stderr.write(f"durable-check: {where}{detail}\n")
+        return EXIT_USAGE
     return code
+
+
+def quiet_stdout() -> None:
+    """Point standard output at the null device: what it still buffers would fail again at exit."""
+    import contextlib
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ Replay is the serve pipeline fed from files: the same converter, engine and rule
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import logging
 import sys
@@ -190,17 +189,12 @@ def _run_replay(args: argparse.Namespace, *, config: Config | None, pipeline: Pi
 
 def _unwritable(args: argparse.Namespace, exc: OSError) -> OutputError:
     """The error for a report that cannot be written (a full disk, say), said once, without a traceback."""
-    import os
-
+    from processor.cli import quiet_stdout
     from processor.report import printable
 
     where = f"--output {printable(args.output)}" if args.output else "standard output"
     if not args.output:
-        # What standard output still buffers would fail again as the process exits: it goes nowhere.
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
+        quiet_stdout()
     return OutputError(f"cannot write the report to {where} ({exc.strerror or type(exc).__name__})")
 
 

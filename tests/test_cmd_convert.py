@@ -41,3 +41,22 @@ def test_convert_names_an_output_it_cannot_write(
     err = capsys.readouterr().err
     assert f"cannot write {tmp_path / target}" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device every write to fails")
+@pytest.mark.parametrize(
+    "argv",
+    [["convert", str(FIXTURES / "actions.good.jsonl"), "-o", "/dev/full"], ["rules", "list"]],
+    ids=["convert-output", "rules-list-stdout"],
+)
+def test_output_that_cannot_be_written_is_one_line_and_exit_2(argv: list[str]) -> None:
+    """Any command whose output hits a full disk (here /dev/full) says so once, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run([sys.executable, "-m", "processor.cli", *argv], stdout=full, stderr=subprocess.PIPE,
+                              check=False, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.decode().splitlines()[-1] == "durable-check: No space left on device"
+    assert b"Traceback" not in done.stderr and b"Exception ignored" not in done.stderr

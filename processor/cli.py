@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from processor.report import printable
 
         quiet_stdout()
-        detail = exc.strerror or type(exc).__name__
+        detail = exc.strerror or str(exc) or type(exc).__name__
         where = f"{printable(str(exc.filename))}: " if exc.filename else ""
         sys.stderr.write(f"durable-check: {where}{detail}\n")
         return EXIT_USAGE

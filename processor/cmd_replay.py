@@ -195,7 +195,7 @@ def _unwritable(args: argparse.Namespace, exc: OSError) -> OutputError:
     where = f"--output {printable(args.output)}" if args.output else "standard output"
     if not args.output:
         quiet_stdout()
-    return OutputError(f"cannot write the report to {where} ({exc.strerror or type(exc).__name__})")
+    return OutputError(f"cannot write the report to {where} ({exc.strerror or str(exc) or type(exc).__name__})")
 
 
 def _lane_may_apply(args: argparse.Namespace) -> bool:

@@ -257,10 +257,17 @@ class Tailer(threading.Thread):
 
 
 def _metric(text: str, name: str) -> float:
-    total = 0.0
+    """The sum of a metric's samples, 0 when serve exposes none."""
+    found = metric_or_none(text, name)
+    return 0.0 if found is None else found
+
+
+def metric_or_none(text: str, name: str) -> float | None:
+    """The sum of a metric's samples, None when serve exposes none (a renamed metric is not a 0)."""
+    total: float | None = None
     for line in text.splitlines():
         if line.startswith(name) and (line[len(name)] in " {"):
-            total += float(line.rsplit(" ", 1)[1])
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
     return total
 
 

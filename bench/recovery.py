@@ -34,7 +34,7 @@ from typing import Any, Final
 import orjson
 
 from bench import build
-from bench.live import _metric, free_port
+from bench.live import _metric, free_port, metric_or_none
 from processor.state.bufferrows import live_entries
 
 _ROOT: Final = Path(__file__).resolve().parents[1]
@@ -61,15 +61,6 @@ def _scrape(metrics_port: int) -> str | None:
         return httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2.0).text
     except httpx.HTTPError:
         return None
-
-
-def _sample(text: str, name: str) -> float | None:
-    """The value of an unlabelled sample, None when serve does not expose it (a renamed metric
-    must fail the run, not read as 0)."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
@@ -122,7 +113,7 @@ def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
                 if text is not None and _metric(text, "durable_check_journal_depth") == 0:
                     drained_at = time.monotonic()
                     # Counted as the worker restored (before ready), by the process that restored.
-                    not_restored = _sample(text, "durable_check_sessions_not_restored_total")
+                    not_restored = metric_or_none(text, "durable_check_sessions_not_restored_total")
                     break
                 time.sleep(0.05)
         finally:

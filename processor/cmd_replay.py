@@ -308,7 +308,11 @@ class _ReportFile:
         import stat
 
         if args.output:
-            if any(_same_file(path, args.output) for path in args.inputs):
+            try:
+                existing = os.stat(args.output)
+            except OSError:
+                existing = None
+            if existing is not None and _is_input(existing, args.inputs):
                 return None  # read first, written after: the spool keeps that working
             try:
                 out: TextIO = open(args.output, "w", encoding="utf-8")  # noqa: SIM115 (closed by the caller)
@@ -317,17 +321,19 @@ class _ReportFile:
         else:
             out = sys.stdout
         try:
+            import fcntl  # ImportError where there is none: the spool then
+
             fd = out.fileno()
             status = os.fstat(fd)
             regular = stat.S_ISREG(status.st_mode)
-            appending = bool(_file_flags(fd) & os.O_APPEND)
+            appending = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND)
             utf8 = codecs.lookup(out.encoding).name == "utf-8"
             buffer = getattr(out, "buffer", None)
             if not regular or appending or not utf8 or buffer is None or _is_input(status, args.inputs):
                 raise OSError("not a file the report can be cut back in")
             out.flush()
             start = buffer.seek(0, os.SEEK_CUR)
-        except (OSError, ValueError, AttributeError, LookupError, ImportError):  # ImportError: no fcntl
+        except (OSError, ValueError, AttributeError, LookupError, ImportError):
             if out is not sys.stdout:
                 out.close()
             return None
@@ -355,21 +361,6 @@ def _is_input(status: Any, inputs: list[str]) -> bool:
         if (found.st_dev, found.st_ino) == (status.st_dev, status.st_ino):
             return True
     return False
-
-
-def _same_file(path: str, other: str) -> bool:
-    import os
-
-    try:
-        return os.path.samefile(path, other)
-    except OSError:
-        return False
-
-
-def _file_flags(fd: int) -> int:
-    import fcntl
-
-    return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
 def _open_output(args: argparse.Namespace) -> TextIO | None:

@@ -380,7 +380,7 @@ class IdentityResolver:
                 return session
             grandparent = parents.get(span)
             if grandparent is None:
-                if not final and len(parents) + len(named) < MAX_SPANS_PER_TRACE:
+                if not final and _remembered(trace) < MAX_SPANS_PER_TRACE:
                     return None
                 break
             span = grandparent

@@ -168,9 +168,9 @@ def _run_replay(args: argparse.Namespace, *, config: Config | None, pipeline: Pi
 
             lane = LogLane(pipeline.engine, args.format)
             if lane.usable:
-                report_file = _ReportFile.open(args) if args.format == "text" else None
+                report_file = _ReportFile.open(args)
                 if report_file is not None:
-                    lane.write_into(report_file.buffer)
+                    lane.write_into(report_file.buffer, report_file.reread if args.format == "json" else None)
                 try:
                     return _replay_lane(args, lane, report, said, report_file)
                 except LaneAborted as exc:
@@ -290,10 +290,12 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callabl
 
 
 class _ReportFile:
-    """The text report's file, written as the action-log lane finds violations, when it can be
+    """The report's file, written as the action-log lane finds violations, when it can be
     cut back to where the report began should the lane give up (the full engine then writes the
     report from the start): a regular file, not opened for appending (what others append after
-    the report would be cut too), in UTF-8, and not one of the inputs."""
+    the report would be cut too), in UTF-8, and not one of the inputs. A JSON report's file must
+    also open again for reading (``reread``): its violations list may have to be moved once
+    its head is known."""
 
     def __init__(self, out: TextIO, buffer: IO[bytes], start: int, *, owned: bool) -> None:
         self.out = out
@@ -333,11 +335,28 @@ class _ReportFile:
                 raise OSError("not a file the report can be cut back in")
             out.flush()
             start = buffer.seek(0, os.SEEK_CUR)
+            opened = cls(out, buffer, start, owned=out is not sys.stdout)
+            if args.format == "json":
+                opened.reread().close()  # else the spool, as for a file that cannot be cut back
         except (OSError, ValueError, AttributeError, LookupError, ImportError):
             if out is not sys.stdout:
                 out.close()
             return None
-        return cls(out, buffer, start, owned=out is not sys.stdout)
+        return opened
+
+    def reread(self) -> IO[bytes]:
+        """The report's file opened again, for reading: by its name, or where the system names
+        an open file (standard output redirected to a file), checked to be the same file."""
+        import os
+
+        fd = self.out.fileno()
+        name = self.out.name if self._owned else f"/proc/self/fd/{fd}"
+        reader = open(name, "rb", buffering=0)  # noqa: SIM115 (the caller closes it)
+        mine, found = os.fstat(fd), os.fstat(reader.fileno())
+        if (mine.st_dev, mine.st_ino) != (found.st_dev, found.st_ino):
+            reader.close()
+            raise OSError("the report's file was replaced while it was written")
+        return reader
 
     def undo(self) -> None:
         """Cut what the lane wrote: the file ends where the report began."""

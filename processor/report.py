@@ -210,6 +210,23 @@ def write_json(report: Report, out: TextIO, write_violations: Callable[[TextIO],
     ``write_violations(out)``: writes the report's violations list already serialized
     (``json_block`` blocks joined by ``",\n"``, in report order) instead of the report's own.
     """
+    before, after = json_report_parts(report)
+    if after is None:
+        out.write(before)
+        return
+    out.write(before)
+    if write_violations is not None:
+        write_violations(out)
+    else:
+        blocks = (json_block([v.to_json() for v in block]) for block in _blocks(report.ordered(), JSON_BLOCK))
+        for piece in _joined(blocks):
+            out.write(piece)
+    out.write(after)
+
+
+def json_report_parts(report: Report) -> tuple[str, str | None]:
+    """The JSON report's text before its violations list and after it (the final newline
+    included); with no violations, the whole report and None."""
     doc: dict[str, Any] = {
         "inputs": report.inputs,
         "actions": report.actions,
@@ -224,16 +241,8 @@ def write_json(report: Report, out: TextIO, write_violations: Callable[[TextIO],
     mark = f'{_NESTED_INDENT}"{orjson.dumps(_VIOLATIONS_MARK).decode()[1:-1]}"'
     before, found, after = text.partition(mark)
     if not found:
-        out.write(text + "\n")
-        return
-    out.write(before)
-    if write_violations is not None:
-        write_violations(out)
-    else:
-        blocks = (json_block([v.to_json() for v in block]) for block in _blocks(report.ordered(), JSON_BLOCK))
-        for piece in _joined(blocks):
-            out.write(piece)
-    out.write(after + "\n")
+        return text + "\n", None
+    return before, after + "\n"
 
 
 def _joined(blocks: Iterable[str]) -> Iterator[str]:

@@ -14,7 +14,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import orjson
 import pytest
@@ -373,13 +373,15 @@ def test_generated_expressions_equal_their_closures(source: str, fields: dict[st
     assert function(record, 1, None) is expression.evaluate(activation)
 
 
-def _lane_then_engine_log(directory: Path) -> str:
+def _lane_then_engine_log(directory: Path, count: int = 3 * 1024) -> str:
     """A log whose first stretches are violations (written out by the lane) and whose last line
-    spans the idle timeout, so the lane gives up after writing and replay starts over on the engine."""
+    spans the idle timeout, so the lane gives up after writing and replay starts over on the engine.
+    A JSON report's violations are written once the first block is read: ``count`` 12 * 1024 makes
+    the log longer than a block (1 MiB)."""
     lines = [
         orjson.dumps({"session_id": f"s{n % 7}", "action_id": f"a{n}", "kind": "payment", "status": "ok",
                       "time": "2026-01-01T00:00:00Z"})
-        for n in range(3 * 1024)
+        for n in range(count)
     ]
     lines.append(orjson.dumps({"session_id": "s1", "action_id": "late", "kind": "payment", "status": "ok",
                                "time": "2026-03-01T00:00:00Z"}))
@@ -394,33 +396,36 @@ def _replay_process(args: list[str], stdout: Any) -> int:
                           stderr=subprocess.DEVNULL, check=False, timeout=120).returncode
 
 
+@pytest.mark.parametrize("fmt", ["text", "json"])
 @pytest.mark.parametrize("where", ["stdout-file", "stdout-appended", "stdout-pipe", "output-option"])
-def test_a_text_report_written_into_its_file_is_cut_back_when_the_lane_gives_up(tmp_path: Path, where: str) -> None:
-    """The lane writes a text report's lines straight into a regular file it may cut back (not one
+def test_a_report_written_into_its_file_is_cut_back_when_the_lane_gives_up(tmp_path: Path, where: str,
+                                                                           fmt: str) -> None:
+    """The lane writes a report's violations straight into a regular file it may cut back (not one
     opened for appending, not a pipe): what it wrote before giving up is gone, and the file holds
     what was there before and the full engine's report, byte for byte."""
     import subprocess
 
-    log = _lane_then_engine_log(tmp_path)
+    log = _lane_then_engine_log(tmp_path, 3 * 1024 if fmt == "text" else 12 * 1024)
+    options = ["--format", fmt, "--pack", "durable-sessions"]
     expected = tmp_path / "engine.txt"
     with expected.open("wb") as handle:
-        assert _replay_process(["--pack", "durable-sessions", "--full-engine", log], handle) == 1
+        assert _replay_process([*options, "--full-engine", log], handle) == 1
     assert expected.stat().st_size > 3 * 1024 * 100  # the lane had a stretch's lines to write first
     report = tmp_path / "report.txt"
     report.write_bytes(b"kept before the report\n")
     prefix = b"kept before the report\n"
     if where == "output-option":
-        assert _replay_process(["--pack", "durable-sessions", log, "--output", str(report)], None) == 1
+        assert _replay_process([*options, log, "--output", str(report)], None) == 1
         prefix = b""  # --output replaces the file
     elif where == "stdout-pipe":
-        done = subprocess.run([*_cli(), "replay", "--pack", "durable-sessions", log], capture_output=True,
+        done = subprocess.run([*_cli(), "replay", *options, log], capture_output=True,
                               check=False, timeout=120)
         assert done.returncode == 1
         report.write_bytes(prefix + done.stdout)
     else:
         with report.open("ab" if where == "stdout-appended" else "r+b") as handle:
             handle.seek(0, os.SEEK_END)
-            assert _replay_process(["--pack", "durable-sessions", log], handle) == 1
+            assert _replay_process([*options, log], handle) == 1
     assert report.read_bytes() == prefix + expected.read_bytes()
 
 
@@ -430,8 +435,9 @@ def _cli() -> list[str]:
     return [sys.executable, "-m", "processor.cli"]
 
 
-def test_the_lane_writes_into_the_report_file_and_undo_cuts_it_back(tmp_path: Path) -> None:
-    """The mechanism itself: lines reach the file while the lane runs, and undo leaves the file as it began."""
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_the_lane_writes_into_the_report_file_and_undo_cuts_it_back(tmp_path: Path, fmt: str) -> None:
+    """The mechanism itself: violations reach the file while the lane runs, and undo leaves the file as it began."""
     import argparse
 
     from processor.cmd_replay import _ReportFile
@@ -440,25 +446,26 @@ def test_the_lane_writes_into_the_report_file_and_undo_cuts_it_back(tmp_path: Pa
     from processor.evaluate.rulefmt import load_rules
     from processor.report import Report
 
-    log = _lane_then_engine_log(tmp_path)
+    log = _lane_then_engine_log(tmp_path, 3 * 1024 if fmt == "text" else 12 * 1024)
     out = tmp_path / "out.txt"
-    args = argparse.Namespace(output=str(out), inputs=[log])
+    args = argparse.Namespace(output=str(out), inputs=[log], format=fmt)
     report_file = _ReportFile.open(args)
     assert report_file is not None
-    lane = LogLane(Engine(load_rules([], packs=["durable-sessions"])), "text")
-    lane.write_into(report_file.buffer)
+    lane = LogLane(Engine(load_rules([], packs=["durable-sessions"])), fmt)
+    lane.write_into(report_file.buffer, report_file.reread if fmt == "json" else None)
     try:
         with pytest.raises(LaneAborted, match="idle timeout"):
             lane.run([log], None, Report([log]), set())
         report_file.buffer.flush()
-        assert out.stat().st_size > 3 * 1024 * 100  # three stretches of lines were written before it gave up
+        # Text: three stretches of lines were written before it gave up; JSON: the first block's violations.
+        assert out.stat().st_size > (3 * 1024 * 100 if fmt == "text" else 1 << 20)
         report_file.undo()
         assert out.stat().st_size == 0
     finally:
         lane.close()
         report_file.out.close()
     # Reading an input and writing the report into the same file keeps the spool (read first, written after).
-    assert _ReportFile.open(argparse.Namespace(output=log, inputs=[log])) is None
+    assert _ReportFile.open(argparse.Namespace(output=log, inputs=[log], format="text")) is None
 
 
 def test_action_ids_with_control_and_non_ascii_characters_are_escaped_as_the_engine_escapes_them(
@@ -478,3 +485,96 @@ def test_action_ids_with_control_and_non_ascii_characters_are_escaped_as_the_eng
     assert code == 1
     assert "\x1b" not in out and "\x07" not in out and "\x00" not in out
     assert "[caf\u00e9]" in out  # printable non-ASCII is kept as it is
+
+
+def _payments(first: int, count: int, pad: int) -> list[bytes]:
+    """Unkeyed payments (one violation each), ``pad`` characters of payload a line."""
+    return [
+        orjson.dumps({"session_id": f"s{n % 5}", "action_id": f"a{n}", "kind": "payment", "status": "ok",
+                      "time": "2026-01-01T00:00:00Z", "result": {"note": "x" * pad}})
+        for n in range(first, first + count)
+    ]
+
+
+# Logs whose first part makes the JSON report's head be estimated right, too short (the list is
+# moved towards the end), or too long (moved towards the start). In the test below the first
+# block of lines is 64 KiB (what format detection reads) and a JSON block four violations, so
+# the estimate is made from the first 64 KiB.
+_JSON_PLACEMENTS: Final = {
+    "estimated-right": lambda: _payments(0, 2_000, 40),
+    # Long lines first: few lines are expected, the action count has a digit more than estimated.
+    "head-longer": lambda: _payments(0, 40, 2_000) + _payments(40, 3_000, 10),
+    # Short lines first: many are expected, the action count has two digits less.
+    "head-shorter": lambda: _payments(0, 700, 10) + _payments(700, 200, 6_000),
+    # Malformed lines after the estimate: the malformed count has two digits, not one.
+    "malformed-later": lambda: _payments(0, 2_000, 40) + [b'{"session_id": "s1", "kind": 3}'] * 60,
+    # Fewer violations than a JSON block: held until the run ends, then placed after the exact head.
+    "few-violations": lambda: _payments(0, 3, 10) + _keyed(3_000),
+    # None: the report is its head alone, nothing written before it.
+    "no-violations": lambda: _keyed(3_000),
+}
+
+
+def _keyed(count: int) -> list[bytes]:
+    return [
+        orjson.dumps({"session_id": "s1", "action_id": f"k{n}", "kind": "payment", "status": "ok",
+                      "idempotency_key": f"k{n}", "time": "2026-01-01T00:00:00Z"})
+        for n in range(count)
+    ]
+
+
+@pytest.mark.parametrize("placement", sorted(_JSON_PLACEMENTS))
+@pytest.mark.parametrize("where", ["stdout-file", "output-option"])
+def test_a_json_report_written_into_its_file_is_the_engines_whatever_its_head_came_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str, where: str
+) -> None:
+    """The lane writes a JSON report's violations list into the report's file after a head whose
+    counts it estimates; the file then holds the full engine's report byte for byte, the list
+    moved (in whichever direction) when the head came out another length."""
+    import processor.receive._streams as streams
+    from processor import cli
+    from processor.evaluate import loglane
+
+    monkeypatch.setattr(streams, "CHUNK_SIZE", 4096)  # blocks after the first
+    monkeypatch.setattr(loglane, "JSON_BLOCK", 4)
+    monkeypatch.setattr(loglane, "_MOVE_CHUNK", 1000)  # a list of many chunks, moved a chunk at a time
+    moves: list[tuple[int, int, int]] = []
+    move = loglane.LogLane._move
+
+    def moved(lane: loglane.LogLane, source: int, target: int, length: int) -> None:
+        moves.append((source, target, length))
+        move(lane, source, target, length)
+
+    monkeypatch.setattr(loglane.LogLane, "_move", moved)
+    log = _write(str(tmp_path), "a.jsonl", _JSON_PLACEMENTS[placement]())
+    engine = tmp_path / "engine.json"
+    found = 0 if placement == "no-violations" else 1
+    assert cli.main(["replay", "--format", "json", "--pack", "durable-sessions", "--full-engine", log,
+                     "--output", str(engine)]) == found
+    report = tmp_path / "report.json"
+    prefix = b""
+    if where == "output-option":
+        report.write_bytes(b"replaced\n" * 10_000)  # longer than the report: nothing of it is left
+        assert cli.main(["replay", "--format", "json", "--pack", "durable-sessions", log,
+                         "--output", str(report)]) == found
+    else:
+        prefix = b"kept before the report\n"
+        report.write_bytes(prefix)
+        with report.open("r+b") as handle:
+            handle.seek(0, os.SEEK_END)
+            monkeypatch.setattr("sys.stdout", open(handle.fileno(), "w", encoding="utf-8", closefd=False))  # noqa: SIM115
+            try:
+                assert cli.main(["replay", "--format", "json", "--pack", "durable-sessions", log]) == found
+            finally:
+                import sys
+
+                sys.stdout.flush()
+    assert report.read_bytes() == prefix + engine.read_bytes()
+    if placement in ("estimated-right", "few-violations", "no-violations"):
+        assert moves == []
+    else:
+        assert len(moves) == 1
+        source, target, length = moves[0]
+        assert (target > source) == (placement in ("head-longer", "malformed-later"))
+        assert length > 3 * 1000  # several chunks moved
+

@@ -16,10 +16,10 @@ the same rules without it:
   and orjson confirms the line), read by a twin of ``check`` generated over attributes;
 - a condition's top-level terms that several rules share are tested once, the rules
   nested under them (``_factored``);
-- a text report's violation lines are written as they are found, already in the
-  report's order, to a spool copied out after the run, or straight into the report's file
-  when it is a regular file that can be cut back should the lane give up (``write_into``);
-  nothing per violation is kept.
+- the report's violations (text lines, or the JSON report's list) are written as they are
+  found, already in the report's order, to a spool copied out after the run, or straight
+  into the report's file when it is a regular file that can be cut back should the lane give
+  up (``write_into``); nothing per violation is kept.
 
 It gives the engine's verdicts, counts and summary exactly (``tests/test_loglane.py``
 compares both on random logs, every format). What it cannot reproduce it does not
@@ -36,8 +36,10 @@ helpers bound here, whatever a rule file says.
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import logging
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
@@ -69,7 +71,16 @@ from processor.evaluate.cel._codegen import Conjunct, conjuncts, facts_when_true
 from processor.evaluate.engine import malformed_violation
 from processor.evaluate.model import MessageTemplate
 from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
-from processor.report import CONTROL_ESCAPES, JSON_BLOCK, copy_utf8, json_block_bytes, printable, span_where
+from processor.report import (
+    CONTROL_ESCAPES,
+    JSON_BLOCK,
+    Report,
+    copy_utf8,
+    json_block_bytes,
+    json_report_parts,
+    printable,
+    span_where,
+)
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import make_violation_id
 
@@ -91,6 +102,9 @@ _TYPED_REFUSED: Final = (ValueError, RecursionError)
 _STRETCH: Final = 1024
 _TYPED_MISS_SHARE: Final = 0.25
 _TYPED_RETRY: Final = 8
+# What a JSON report's violations list is moved by at a time, when its head came out another
+# length than the one it was placed after (see LogLane.write_into).
+_MOVE_CHUNK: Final = 1 << 20
 
 
 class LaneAborted(Exception):
@@ -122,8 +136,17 @@ class LogLane:
         # Violation lines of a text report (or a JSON report's violations list), in the report's
         # order and encoded as UTF-8, until written out: copied as bytes, not decoded and encoded again.
         self._spool: IO[bytes] | None = None
-        # True: the text report's lines go straight into the report's own file (write_into).
+        # True: the report's violations go straight into the report's own file (write_into).
         self._direct = False
+        # A JSON report written into its file: where the report begins, how to read the file
+        # again, where its violations list begins once placed (None: its first blocks are held
+        # in _held until then), the inputs' bytes and those read while the blocks were held.
+        self._start = 0
+        self._reread: Callable[[], IO[bytes]] | None = None
+        self._json_at: int | None = None
+        self._held: list[memoryview] = []
+        self._seen_bytes = 0
+        self._input_bytes = 0
         # Lines per stretch (the unit of the switch between typed decoders), and the lines read in
         # stretches of each typed decoder (a diagnostic: how often lines carried fields no rule names).
         self.stretch = _STRETCH
@@ -177,18 +200,26 @@ class LogLane:
 
     # -- running --------------------------------------------------------------------
 
-    def write_into(self, report_file: IO[bytes]) -> None:
-        """Write a text report's violation lines into ``report_file`` (UTF-8) as they are found.
+    def write_into(self, report_file: IO[bytes], reread: Callable[[], IO[bytes]] | None = None) -> None:
+        """Write the report's violations into ``report_file`` (UTF-8) as they are found.
 
-        The report's violation lines come first, so they need no spool when the report goes to
-        a file that can be cut back: the caller undoes what was written if ``run`` raises
-        LaneAborted (``processor.cmd_replay``'s ``_ReportFile``), and ``write_text`` then adds only
-        the tail. Saves writing every line to a spool and reading it back.
+        The violations need no spool when the report goes to a file that can be cut back: the
+        caller undoes what was written if ``run`` raises LaneAborted (``processor.cmd_replay``'s
+        ``_ReportFile``). Saves writing every violation to a spool and reading it back.
+
+        A text report's violation lines come first: ``write_text`` then adds only the tail. A
+        JSON report's violations list comes after a head whose counts are known only at the
+        end; it is placed where the head is expected to end (the counts estimated from what was
+        read when the first block of violations is written), and ``write_json`` writes the head
+        before it. When the head comes out another length, the list is moved to where it ends:
+        ``reread`` (required for JSON) opens the file for reading for that move.
         """
-        if not self._text:
-            raise ValueError("only a text report is written as it is found")
+        if not self._text and reread is None:
+            raise ValueError("a JSON report is written into a file that can be read again")
         self._spool = report_file
         self._direct = True
+        self._start = report_file.tell()
+        self._reread = reread
 
     def run(self, inputs: list[str], input_format: str | None, report: Report, said: set[str]) -> None:
         """Read every input into ``report`` (counts, summary; JSON: its violations); raises LaneAborted.
@@ -215,6 +246,8 @@ class LogLane:
         self._several = len(report.inputs) > 1
         self._report = report
         self._lines: list[str] = []
+        if self._placing():
+            self._input_bytes = _sizes(inputs)
         for path in inputs:
             try:
                 handle, chunks, _, origin = open_input(path, input_format)
@@ -229,6 +262,8 @@ class LogLane:
                     said.add(message)
                     sys.stderr.write(f"durable-check: {message}\n")
         self._flush()
+        if self._held:
+            self._place(self._actions, self._malformed_count, final=True)
         report.tally(self._actions, self._malformed_count)
         report.summary = self._summary()
         report.violations_by_rule.update(report.summary.violations_by_rule)
@@ -246,12 +281,32 @@ class LogLane:
         write_text_tail(self._report, out)
 
     def write_json(self, out: TextIO) -> None:
-        """The JSON report, its violations list copied from the spool as it was written."""
+        """The JSON report, its violations list copied from the spool as it was written, or
+        already in the report's file (write_into): the head and the tail written around it."""
         from processor.report import write_json
 
         spool = self._spool
         assert spool is not None
-        write_json(self._report, out, lambda into: copy_utf8(spool, into))
+        if not self._direct:
+            write_json(self._report, out, lambda into: copy_utf8(spool, into))
+            return
+        before, after = json_report_parts(self._report)
+        if after is None or self._json_at is None:
+            # No violations were written: the report is its head alone.
+            assert self._json_at is None and not self._held
+            out.write(before)
+            return
+        head = before.encode()
+        spool.flush()
+        length = spool.tell() - self._json_at
+        at = self._start + len(head)
+        if at != self._json_at:
+            self._move(self._json_at, at, length)
+        spool.seek(self._start)
+        spool.write(head)
+        spool.seek(at + length)
+        spool.write(after.encode())
+        spool.truncate()  # a list moved back leaves its old end behind it
 
     def close(self) -> None:
         if self._spool is not None and not self._direct:
@@ -292,6 +347,9 @@ class LogLane:
         stretch_length = self.stretch
         for first_line, block, has_too_long in blocks:
             number = first_line - 1
+            placing = self._placing()
+            if placing:
+                self._seen(block, has_too_long)
             counts = self._counts
             width = self._width
             for start in range(0, len(block), stretch_length):
@@ -397,6 +455,8 @@ class LogLane:
                 if lines:
                     # A stretch's lines at a time: written while they are still in the CPU's cache.
                     self._flush()
+            if placing and self._held:
+                self._place(self._actions + actions, self._malformed_count)
         self._actions += actions
         if fallback:
             act["record"] = _EMPTY_RECORD
@@ -557,11 +617,67 @@ class LogLane:
             spool.write("\n".join(lines).encode())
             lines.clear()
         if self._objects:
+            write = self._held.append if self._json_at is None and self._direct else spool.write
             if self._json_blocks:
-                spool.write(b",\n")
-            spool.write(json_block_bytes(self._objects))
+                write(memoryview(b",\n"))
+            write(json_block_bytes(self._objects))
             self._json_blocks += 1
             self._objects.clear()
+
+    # -- a JSON report written into its file ----------------------------------------------
+
+    def _placing(self) -> bool:
+        """Whether the JSON report's violations list is still to be placed in the report's file."""
+        return self._direct and not self._text and self._json_at is None
+
+    def _seen(self, block: Any, has_too_long: bool) -> None:
+        """Count a block's bytes while the violations list is not placed: what the estimate of
+        the head's counts scales from."""
+        if has_too_long:
+            self._seen_bytes += sum(len(raw) + 1 for raw in block if type(raw) is bytes)
+        else:
+            self._seen_bytes += sum(map(len, block)) + len(block)
+
+    def _place(self, actions: int, malformed: int, *, final: bool = False) -> None:
+        """Write the held blocks where the JSON report's head is expected to end.
+
+        The head holds the action and malformed counts: estimated in proportion to the bytes of
+        the inputs read so far (exact when ``final``). A wrong estimate costs a move of the list
+        when the report is written (write_json), never a wrong report.
+        """
+        scale = 1.0
+        if not final and self._seen_bytes and self._input_bytes > self._seen_bytes:
+            scale = self._input_bytes / self._seen_bytes
+        guess = Report(self._report.inputs)
+        guess.tally(round(actions * scale), round(malformed * scale))
+        guess.violations_by_rule["-"] = 1  # a report with violations: its head ends where they begin
+        head, _ = json_report_parts(guess)
+        spool = self._spool
+        assert spool is not None
+        self._json_at = self._start + len(head.encode())
+        spool.seek(self._json_at)
+        for piece in self._held:
+            spool.write(piece)
+        self._held.clear()
+
+    def _move(self, source: int, target: int, length: int) -> None:
+        """Move ``length`` bytes of the report's file from ``source`` to ``target``, a chunk at
+        a time in the direction that never overwrites what is still to be read."""
+        spool = self._spool
+        assert spool is not None and self._reread is not None
+        spool.flush()
+        out = spool.fileno()
+        with self._reread() as reader:
+            into = reader.fileno()
+            starts = range(0, length, _MOVE_CHUNK)
+            for offset in starts if target < source else reversed(starts):
+                size = min(_MOVE_CHUNK, length - offset)
+                chunk = os.pread(into, size, source + offset)
+                if len(chunk) != size:
+                    raise OSError(f"the report's file was cut while it was written ({len(chunk)} of {size} bytes)")
+                written = 0
+                while written < size:
+                    written += os.pwrite(out, chunk[written:], target + offset + written)
 
     @staticmethod
     def _violation_json(  # noqa: PLR0917 (the hot path passes positions, not names)
@@ -606,7 +722,7 @@ class LogLane:
         if t is not None:
             out["time_unix_nano"] = t
         if plan.tags:
-            out["tags"] = list(plan.tags)
+            out["tags"] = plan.tags  # a tuple: orjson writes it as the list it is
         return out
 
     def _summary(self) -> EngineSummary:
@@ -1150,6 +1266,15 @@ def _cut(text: str, limit: int) -> str:
 
 def _digest(action_id: str) -> bytes:
     return hashlib.blake2b(action_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _sizes(inputs: list[str]) -> int:
+    """The inputs' bytes on disk (0 for one that cannot be read: it holds no lines)."""
+    total = 0
+    for path in inputs:
+        with contextlib.suppress(OSError):
+            total += os.stat(path).st_size
+    return total
 
 
 def _confirmed(lenient: Callable[[bytes], Any]) -> Callable[[bytes], Any]:

@@ -496,25 +496,6 @@ def _payments(first: int, count: int, pad: int) -> list[bytes]:
     ]
 
 
-# Logs whose first part makes the JSON report's head be estimated right, too short (the list is
-# moved towards the end), or too long (moved towards the start). In the test below the first
-# block of lines is 64 KiB (what format detection reads) and a JSON block four violations, so
-# the estimate is made from the first 64 KiB.
-_JSON_PLACEMENTS: Final = {
-    "estimated-right": lambda: _payments(0, 2_000, 40),
-    # Long lines first: few lines are expected, the action count has a digit more than estimated.
-    "head-longer": lambda: _payments(0, 40, 2_000) + _payments(40, 3_000, 10),
-    # Short lines first: many are expected, the action count has two digits less.
-    "head-shorter": lambda: _payments(0, 700, 10) + _payments(700, 200, 6_000),
-    # Malformed lines after the estimate: the malformed count has two digits, not one.
-    "malformed-later": lambda: _payments(0, 2_000, 40) + [b'{"session_id": "s1", "kind": 3}'] * 60,
-    # Fewer violations than a JSON block: held until the run ends, then placed after the exact head.
-    "few-violations": lambda: _payments(0, 3, 10) + _keyed(3_000),
-    # None: the report is its head alone, nothing written before it.
-    "no-violations": lambda: _keyed(3_000),
-}
-
-
 def _keyed(count: int) -> list[bytes]:
     return [
         orjson.dumps({"session_id": "s1", "action_id": f"k{n}", "kind": "payment", "status": "ok",
@@ -523,29 +504,36 @@ def _keyed(count: int) -> list[bytes]:
     ]
 
 
+# Logs whose first part makes the JSON report's head be estimated right, too short (the list is
+# moved towards the end), or too long (moved towards the start). The estimate is made when the
+# first block of lines (1 MiB) ends, from the share of the log's bytes it held.
+_JSON_PLACEMENTS: Final = {
+    "estimated-right": lambda: _payments(0, 12_000, 40),
+    # Long lines first: about 1,000 lines are expected, there are 10,520: a digit more.
+    "head-longer": lambda: _payments(0, 520, 2_000) + _payments(520, 10_000, 10),
+    # Short lines first: about 25,000 lines are expected, there are 9,800: a digit less.
+    "head-shorter": lambda: _payments(0, 9_500, 10) + _payments(9_500, 300, 6_000),
+    # Malformed lines after the estimate: the malformed count has two digits, not one.
+    "malformed-later": lambda: _payments(0, 20_000, 10) + [b'{"session_id": "s1", "kind": 3}'] * 60,
+    # Fewer violations than a JSON block: held until the run ends, then placed after the exact head.
+    "few-violations": lambda: _payments(0, 100, 10) + _keyed(3_000),
+    # None: the report is its head alone, nothing written before it.
+    "no-violations": lambda: _keyed(3_000),
+}
+
+
 @pytest.mark.parametrize("placement", sorted(_JSON_PLACEMENTS))
 @pytest.mark.parametrize("where", ["stdout-file", "output-option"])
 def test_a_json_report_written_into_its_file_is_the_engines_whatever_its_head_came_to(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str, where: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, placement: str, where: str
 ) -> None:
     """The lane writes a JSON report's violations list into the report's file after a head whose
     counts it estimates; the file then holds the full engine's report byte for byte, the list
     moved (in whichever direction) when the head came out another length."""
-    import processor.receive._streams as streams
+    import sys
+
     from processor import cli
-    from processor.evaluate import loglane
 
-    monkeypatch.setattr(streams, "CHUNK_SIZE", 4096)  # blocks after the first
-    monkeypatch.setattr(loglane, "JSON_BLOCK", 4)
-    monkeypatch.setattr(loglane, "_MOVE_CHUNK", 1000)  # a list of many chunks, moved a chunk at a time
-    moves: list[tuple[int, int, int]] = []
-    move = loglane.LogLane._move
-
-    def moved(lane: loglane.LogLane, source: int, target: int, length: int) -> None:
-        moves.append((source, target, length))
-        move(lane, source, target, length)
-
-    monkeypatch.setattr(loglane.LogLane, "_move", moved)
     log = _write(str(tmp_path), "a.jsonl", _JSON_PLACEMENTS[placement]())
     engine = tmp_path / "engine.json"
     found = 0 if placement == "no-violations" else 1
@@ -553,8 +541,9 @@ def test_a_json_report_written_into_its_file_is_the_engines_whatever_its_head_ca
                      "--output", str(engine)]) == found
     report = tmp_path / "report.json"
     prefix = b""
+    caplog.set_level(logging.DEBUG, logger="durable_check.replay")
     if where == "output-option":
-        report.write_bytes(b"replaced\n" * 10_000)  # longer than the report: nothing of it is left
+        report.write_bytes(b"replaced\n" * 2_000_000)  # longer than the report: nothing of it is left
         assert cli.main(["replay", "--format", "json", "--pack", "durable-sessions", log,
                          "--output", str(report)]) == found
     else:
@@ -566,15 +555,13 @@ def test_a_json_report_written_into_its_file_is_the_engines_whatever_its_head_ca
             try:
                 assert cli.main(["replay", "--format", "json", "--pack", "durable-sessions", log]) == found
             finally:
-                import sys
-
                 sys.stdout.flush()
     assert report.read_bytes() == prefix + engine.read_bytes()
+    moves = [record.getMessage() for record in caplog.records if "moving its" in record.getMessage()]
     if placement in ("estimated-right", "few-violations", "no-violations"):
         assert moves == []
     else:
         assert len(moves) == 1
-        source, target, length = moves[0]
-        assert (target > source) == (placement in ("head-longer", "malformed-later"))
-        assert length > 3 * 1000  # several chunks moved
+        direction = "longer" if placement in ("head-longer", "malformed-later") else "shorter"
+        assert f"bytes {direction} than estimated" in moves[0]
 

@@ -665,6 +665,8 @@ class LogLane:
         a time in the direction that never overwrites what is still to be read."""
         spool = self._spool
         assert spool is not None and self._reread is not None
+        log.debug("replay: the JSON report's head came out %d bytes %s than estimated; moving its %d-byte "
+                  "violations list", abs(target - source), "longer" if target > source else "shorter", length)
         spool.flush()
         out = spool.fileno()
         with self._reread() as reader:

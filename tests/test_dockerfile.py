@@ -276,7 +276,7 @@ def test_wheel_carries_the_entrypoint_and_shipped_rules(tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-        assert "durable-check = processor.cli:main" in archive.read(entry_points).decode()
+        assert "durable-check = processor.cli:entry" in archive.read(entry_points).decode()
     shipped = {Path(n).name for n in names if n.startswith("processor/_shipped_rules/")}
     in_repo = {p.name for p in (REPO / "rules").glob("*.yaml")}
     assert in_repo and in_repo <= shipped

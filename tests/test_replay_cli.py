@@ -175,3 +175,54 @@ def test_a_report_that_cannot_be_written_is_one_clear_error(tmp_path: Path, extr
     where = "--output /dev/full" if "--output" in extra else "standard output"
     assert done.returncode == 2
     assert done.stderr.decode() == f"durable-check: cannot write the report to {where} (No space left on device)\n"
+
+
+def test_the_command_line_process_ends_with_everything_written_and_its_exit_code(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m processor.cli replay`` ends its process without tearing the interpreter down:
+    the report it still buffered is written out, and the exit code is the command's."""
+    import subprocess
+    import sys
+
+    bad = str(FIXTURES / "actions.bad.jsonl")
+    expected_code, expected, _ = _replay(capsys, bad)
+    done = subprocess.run([sys.executable, "-m", "processor.cli", "replay", bad], capture_output=True, check=False,
+                          timeout=120)
+    assert (done.returncode, done.stdout.decode()) == (expected_code, expected) == (1, expected)
+    assert b"Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("output", ["pipe", "closed-pipe", "full-device"])
+def test_the_quick_exit_writes_what_is_buffered_or_says_why_it_cannot(output: str) -> None:
+    """What standard output and the logs still hold when a command has answered is written
+    before the process ends; a reader that left early is no error, a full disk is exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    if output == "full-device" and not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full, a device every write to fails")
+    script = ("import logging, sys; from processor import cli; "
+              "logging.basicConfig(); logging.getLogger('durable_check').warning('said before the end'); "
+              "sys.stdout.write('x' * 1000); cli._exit_now(1)")
+    command = [sys.executable, "-c", script]
+    # Standard output buffered, as it is by default when it is not a terminal: the quick exit writes it.
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    if output == "pipe":
+        done = subprocess.run(command, capture_output=True, check=False, timeout=60, env=env)
+        assert (done.returncode, done.stdout) == (1, b"x" * 1000)
+        assert b"said before the end" in done.stderr
+    elif output == "closed-pipe":
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()  # the reader leaves before the first byte
+        stderr = process.stderr.read()
+        assert process.wait(timeout=60) == 1
+        assert b"Traceback" not in stderr and b"Exception ignored" not in stderr
+    else:
+        with open("/dev/full", "wb") as full:
+            done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, check=False, timeout=60, env=env)
+        assert done.returncode == 2
+        assert done.stderr.decode().splitlines()[-1] == (
+            "durable-check: cannot write to standard output (No space left on device)")

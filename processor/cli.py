@@ -57,11 +57,13 @@ def entry() -> NoReturn:
 
 
 def _exit_now(code: int) -> NoReturn:
-    """Write out what standard output and the logs still hold, then end the process at once."""
+    """Run the exit handlers (logging's, and any a caller registered) and write out standard
+    output, as an interpreter's exit does, then end the process without its teardown."""
+    import atexit
     import contextlib
-    import logging
     import os
 
+    atexit._run_exitfuncs()
     try:
         sys.stdout.flush()
     except BrokenPipeError:
@@ -71,7 +73,6 @@ def _exit_now(code: int) -> NoReturn:
         detail = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
         sys.stderr.write(f"durable-check: cannot write to standard output ({detail})\n")
         code = EXIT_USAGE
-    logging.shutdown()
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()  # else nowhere is left to say it
     os._exit(code)

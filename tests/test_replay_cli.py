@@ -195,15 +195,17 @@ def test_the_command_line_process_ends_with_everything_written_and_its_exit_code
 
 @pytest.mark.parametrize("output", ["pipe", "closed-pipe", "full-device"])
 def test_the_quick_exit_writes_what_is_buffered_or_says_why_it_cannot(output: str) -> None:
-    """What standard output and the logs still hold when a command has answered is written
-    before the process ends; a reader that left early is no error, a full disk is exit 2."""
+    """What standard output and the logs still hold when a command has answered is written, and
+    the exit handlers run, before the process ends; a reader that left early is no error, a
+    full disk is exit 2."""
     import os
     import subprocess
     import sys
 
     if output == "full-device" and not Path("/dev/full").exists():
         pytest.skip("needs /dev/full, a device every write to fails")
-    script = ("import logging, sys; from processor import cli; "
+    script = ("import atexit, logging, sys; from processor import cli; "
+              "atexit.register(lambda: sys.stderr.write('exit handler ran\\n')); "
               "logging.basicConfig(); logging.getLogger('durable_check').warning('said before the end'); "
               "sys.stdout.write('x' * 1000); cli._exit_now(1)")
     command = [sys.executable, "-c", script]
@@ -212,7 +214,7 @@ def test_the_quick_exit_writes_what_is_buffered_or_says_why_it_cannot(output: st
     if output == "pipe":
         done = subprocess.run(command, capture_output=True, check=False, timeout=60, env=env)
         assert (done.returncode, done.stdout) == (1, b"x" * 1000)
-        assert b"said before the end" in done.stderr
+        assert b"said before the end" in done.stderr and b"exit handler ran" in done.stderr
     elif output == "closed-pipe":
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         assert process.stdout is not None and process.stderr is not None

@@ -70,8 +70,7 @@ def _exit_now(code: int) -> NoReturn:
         quiet_stdout()  # a reader that left early: not an error of ours, as in main
     except (OSError, ValueError) as exc:
         quiet_stdout()
-        detail = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
-        sys.stderr.write(f"durable-check: cannot write to standard output ({detail})\n")
+        sys.stderr.write(f"durable-check: cannot write to standard output ({error_detail(exc)})\n")
         code = EXIT_USAGE
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()  # else nowhere is left to say it
@@ -102,11 +101,15 @@ def _command(args: argparse.Namespace) -> int:
         from processor.report import printable
 
         quiet_stdout()
-        detail = exc.strerror or str(exc) or type(exc).__name__
         where = f"{printable(str(exc.filename))}: " if exc.filename else ""
-        sys.stderr.write(f"durable-check: {where}{detail}\n")
+        sys.stderr.write(f"durable-check: {where}{error_detail(exc)}\n")
         return EXIT_USAGE
     return code
+
+
+def error_detail(exc: Exception) -> str:
+    """What went wrong, in the system's words when it gave some (an OSError's strerror)."""
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
 
 
 def quiet_stdout() -> None:

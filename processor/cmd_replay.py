@@ -189,13 +189,13 @@ def _run_replay(args: argparse.Namespace, *, config: Config | None, pipeline: Pi
 
 def _unwritable(args: argparse.Namespace, exc: OSError) -> OutputError:
     """The error for a report that cannot be written (a full disk, say), said once, without a traceback."""
-    from processor.cli import quiet_stdout
+    from processor.cli import error_detail, quiet_stdout
     from processor.report import printable
 
     where = f"--output {printable(args.output)}" if args.output else "standard output"
     if not args.output:
         quiet_stdout()
-    return OutputError(f"cannot write the report to {where} ({exc.strerror or str(exc) or type(exc).__name__})")
+    return OutputError(f"cannot write the report to {where} ({error_detail(exc)})")
 
 
 def _lane_may_apply(args: argparse.Namespace) -> bool:

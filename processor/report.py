@@ -211,10 +211,9 @@ def write_json(report: Report, out: TextIO, write_violations: Callable[[TextIO],
     (``json_block`` blocks joined by ``",\n"``, in report order) instead of the report's own.
     """
     before, after = json_report_parts(report)
-    if after is None:
-        out.write(before)
-        return
     out.write(before)
+    if after is None:
+        return
     if write_violations is not None:
         write_violations(out)
     else:

@@ -373,11 +373,12 @@ def test_generated_expressions_equal_their_closures(source: str, fields: dict[st
     assert function(record, 1, None) is expression.evaluate(activation)
 
 
-def _lane_then_engine_log(directory: Path, count: int = 3 * 1024) -> str:
+def _lane_then_engine_log(directory: Path, fmt: str) -> str:
     """A log whose first stretches are violations (written out by the lane) and whose last line
     spans the idle timeout, so the lane gives up after writing and replay starts over on the engine.
-    A JSON report's violations are written once the first block is read: ``count`` 12 * 1024 makes
-    the log longer than a block (1 MiB)."""
+    A JSON report's violations are written once the first block is read: for it the log is longer
+    than a block (1 MiB)."""
+    count = 3 * 1024 if fmt == "text" else 12 * 1024
     lines = [
         orjson.dumps({"session_id": f"s{n % 7}", "action_id": f"a{n}", "kind": "payment", "status": "ok",
                       "time": "2026-01-01T00:00:00Z"})
@@ -405,7 +406,7 @@ def test_a_report_written_into_its_file_is_cut_back_when_the_lane_gives_up(tmp_p
     what was there before and the full engine's report, byte for byte."""
     import subprocess
 
-    log = _lane_then_engine_log(tmp_path, 3 * 1024 if fmt == "text" else 12 * 1024)
+    log = _lane_then_engine_log(tmp_path, fmt)
     options = ["--format", fmt, "--pack", "durable-sessions"]
     expected = tmp_path / "engine.txt"
     with expected.open("wb") as handle:
@@ -446,7 +447,7 @@ def test_the_lane_writes_into_the_report_file_and_undo_cuts_it_back(tmp_path: Pa
     from processor.evaluate.rulefmt import load_rules
     from processor.report import Report
 
-    log = _lane_then_engine_log(tmp_path, 3 * 1024 if fmt == "text" else 12 * 1024)
+    log = _lane_then_engine_log(tmp_path, fmt)
     out = tmp_path / "out.txt"
     args = argparse.Namespace(output=str(out), inputs=[log], format=fmt)
     report_file = _ReportFile.open(args)

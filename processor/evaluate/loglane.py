@@ -617,7 +617,7 @@ class LogLane:
             spool.write("\n".join(lines).encode())
             lines.clear()
         if self._objects:
-            write = self._held.append if self._json_at is None and self._direct else spool.write
+            write = self._held.append if self._placing() else spool.write
             if self._json_blocks:
                 write(memoryview(b",\n"))
             write(json_block_bytes(self._objects))

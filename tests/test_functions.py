@@ -6,7 +6,10 @@ import datetime as dt
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from processor.evaluate import functions
 from processor.evaluate.functions import MAX_SCANNED_CHARS, RULE_FUNCTIONS, time_derived
 
 # 2026-11-01T09:14:00Z, the time of the skill's fixture sessions.
@@ -129,3 +132,18 @@ def test_registered_for_rules() -> None:
     impl, arity = RULE_FUNCTIONS["timeDerived"]
     assert arity == 2
     assert impl("2026-11-01", 0) is True
+
+
+# Keys built from the pieces the forms are made of, so that near misses are common.
+_PIECES = st.sampled_from(
+    ["-", "T", ":", "_", "a", "Z", "0", "7", "9", "2026", "11", "01", "20261101", "1793524440", "1793524440000",
+     str(uuid.uuid1()), "01J" + "A" * 23, "2026-11-01", "20261101T0914", "s-00953-a", "ord", "1", "12345678"]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_PIECES, max_size=8).map("".join) | st.text(max_size=40), st.sampled_from([0, NOW_NS]))
+def test_the_short_key_shortcut_answers_as_the_full_scan(key: str, time_ns: int) -> None:
+    # time_derived skips the four scans for a short key with no date and no long digit run; the
+    # answer must be the scans' own, whatever the key.
+    assert time_derived(key, time_ns) == (bool(key) and functions._full_scan(key, time_ns))

@@ -231,6 +231,7 @@ class _Plan:
         "kind",
         "name",
         "needs_prov",
+        "read_kept",
         "report_first",
         "rule",
         "severity",
@@ -284,6 +285,7 @@ class _Plan:
             self.first_names: tuple[str, ...] = _WHOLE_FIRST_FIELDS
         else:
             self.first_names = tuple(sorted(kept))
+        self.read_kept = _kept_reader(self.first_names)
         # A violation may later be reported on the opening record, long after it is gone.
         self.needs_prov = rule.type == "absence" or (rule.type == "sequence" and self.report_first)
         self.compact = rule.type == "sequence" and self.within_ns is None and not self.report_first
@@ -300,6 +302,21 @@ class _Plan:
                 digestible = equality_only_fields(rule.then.source) - rendered - _ENUMERATED_FIELDS
         self.digest_at = tuple(i for i, name in enumerate(self.first_names) if name in digestible)
         self.file_scope = rule.log_scope == "file"
+
+
+def _kept_reader(names: tuple[str, ...]) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
+    """``record`` -> the values of ``names`` (MISSING where absent): rules keep one to three fields,
+    read here without the iterators a general ``tuple(map(...))`` builds for every opened group."""
+    if len(names) == 1:
+        (a,) = names
+        return lambda r: (r.get(a, MISSING),)
+    if len(names) == 2:
+        a, b = names
+        return lambda r: (r.get(a, MISSING), r.get(b, MISSING))
+    if len(names) == 3:
+        a, b, c = names
+        return lambda r: (r.get(a, MISSING), r.get(b, MISSING), r.get(c, MISSING))
+    return lambda r: tuple(map(r.get, names, repeat(MISSING)))
 
 
 class _Handler(Protocol):
@@ -728,6 +745,11 @@ class Engine:
         # with a literal must not make every record a shape of its own.
         self._value_classes = tuple({s: s for s in literals[name]} for name in self._guarded_fields)
         self._routes: dict[tuple[Any, ...], _Route] = {}
+        # The presence part of a shape by the record's keys in their order (a log's lines of one
+        # kind repeat theirs): one lookup instead of a test per presence field. Each distinct
+        # presence gets a small number (at most 2 ** len(presence fields) of them exist).
+        self._presence_by_keys: dict[tuple[str, ...], int] = {}
+        self._presence_ids: dict[tuple[bool, ...], int] = {}
         # ``log_scope: file`` rules on action-log lines: per rule, the groups of the whole input
         # file across its sessions, keyed by a fixed-size digest of (file, action id). Replay
         # only reads logs; this state is not the store's (a span never touches it).
@@ -1222,7 +1244,11 @@ class Engine:
         kind = record.get("kind")
         if type(kind) is not str:
             kind = ""
-        self._count_kind(session, kind)
+        kinds = session.kinds
+        if type(kinds) is dict:  # the common case in replay, inline: this runs for every record
+            kinds[kind] = kinds.get(kind, 0) + 1
+        else:
+            self._count_kind(session, kind)
         if self._telemetry is not None:
             label = (
                 kind if kind in _KNOWN_KINDS else "other",
@@ -1247,12 +1273,12 @@ class Engine:
         if route is not None:
             return route
         values = list(map(record.get, self._guarded_fields))
+        keys = tuple(record)
+        presence = self._presence_by_keys.get(keys)
+        if presence is None:
+            presence = self._presence_of(record, keys)
         try:
-            shape = (
-                source,
-                *map(_class_of, self._value_classes, values, map(type, values)),
-                *map(record.__contains__, self._presence_fields),
-            )
+            shape = (source, presence, *map(_class_of, self._value_classes, values, map(type, values)))
             return self._routes[shape]
         except KeyError:
             return self._new_route(shape, record)
@@ -1271,10 +1297,19 @@ class Engine:
                 self._emit(self._violation(plan, action, act, session), session, out)
 
     def _count_kind(self, session: SessionState, kind: str) -> None:
-        """Count one action of ``kind``; many sessions hold the same small counts, so share the tuples."""
+        """Count one action of ``kind``; many sessions hold the same small counts, so share the tuples.
+
+        Replay counts in a dict per session from the first action: its sessions live for one run,
+        and sharing costs more CPU per record than the dicts' memory is worth there. serve keeps
+        idle sessions for days, and shares.
+        """
         kinds = session.kinds
         if type(kinds) is dict:  # a busy session: its counts are its own
             kinds[kind] = kinds.get(kind, 0) + 1
+            return
+        if not self._serve:
+            own = session.kinds = session.kinds_dict()
+            own[kind] = own.get(kind, 0) + 1
             return
         step = (id(kinds), kind)
         shared = self._kinds_steps.get(step)
@@ -1293,6 +1328,18 @@ class Engine:
         session.kinds = shared
         if type(kinds) is tuple and cache.get(kinds) is kinds and len(self._kinds_steps) < _KEPT_CACHE_MAX:
             self._kinds_steps[step] = shared
+
+    def _presence_of(self, record: Mapping[str, Any], keys: tuple[str, ...]) -> int:
+        """The number of the presence fields ``record`` has; remembered for its keys (bounded: a
+        log whose every line orders its keys anew pays this test per record, as before)."""
+        presence = tuple(map(record.__contains__, self._presence_fields))
+        ids = self._presence_ids
+        number = ids.get(presence)
+        if number is None:
+            number = ids[presence] = len(ids)
+        if len(self._presence_by_keys) < _ROUTES_MAX:
+            self._presence_by_keys[keys] = number
+        return number
 
     def _new_route(self, shape: tuple[Any, ...], record: Mapping[str, Any]) -> _Route:
         routes = self._routes
@@ -1360,7 +1407,7 @@ class Engine:
             return False
 
     def _kept(self, plan: _Plan, record: Mapping[str, Any]) -> tuple[Any, ...]:
-        kept = tuple(map(record.get, plan.first_names, repeat(MISSING)))
+        kept = plan.read_kept(record)
         if plan.digest_at:
             digested = _digest_kept(kept, plan.digest_at)
             if digested is not kept:

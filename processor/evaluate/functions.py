@@ -45,6 +45,11 @@ _ISO_EXTENDED = re.compile(r"(?<!\d)(\d{4})-(\d{2})-(\d{2})(?!\d)")
 _ISO_BASIC_DATETIME = re.compile(r"(?<!\d)(\d{4})(\d{2})(\d{2})T(\d{2})(\d{2})(\d{2})?(?!\d)")
 _DIGIT_RUN = re.compile(r"(?<!\d)\d+(?!\d)")
 _EPOCH_SCALE_NS: Final[dict[int, int]] = {10: 1_000_000_000, 13: 1_000_000, 16: 1_000, 19: 1}
+# What every form but a UUID (36 characters) or a ULID (26) contains: an extended date, or a run
+# of at least 8 digits (a basic date, an epoch). Most keys are short and hold neither: one search
+# answers for them instead of four scans.
+_MAY_HOLD_TIME = re.compile(r"\d{4}-\d{2}-\d{2}|\d{8}")
+_ULID_CHARS: Final = 26
 
 
 def _valid_date(year: str, month: str, day: str) -> _dt.date | None:
@@ -115,6 +120,12 @@ def time_derived(key: Any, time_ns: Any) -> bool:
     if isinstance(time_ns, bool) or not isinstance(time_ns, int):
         time_ns = 0
     scanned = key[:MAX_SCANNED_CHARS]
+    if len(scanned) < _ULID_CHARS and _MAY_HOLD_TIME.search(scanned) is None:
+        return False
+    return _full_scan(scanned, time_ns)
+
+
+def _full_scan(scanned: str, time_ns: int) -> bool:
     return _has_time_uuid(scanned) or _has_ulid(scanned) or _has_iso_date(scanned) or _has_near_number(scanned, time_ns)
 
 

@@ -249,9 +249,15 @@ def ev_max_sessions(config: Config | None) -> int:
 def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callable[[], SpanConverter],
             report: Report, ruleset: RuleSet, *, said: set[str]) -> int:
     from processor.receive.files import read_batches
-
-    converter = new_converter()
     from processor.report import printable
+
+    made: list[SpanConverter] = []
+
+    def converter() -> SpanConverter:
+        """One converter for every input of spans, made at the first (action logs need none)."""
+        if not made:
+            made.append(new_converter())
+        return made[0]
 
     try:
         for path in args.inputs:

@@ -445,6 +445,24 @@ def test_the_converter_given_is_used() -> None:
     assert {"payment", "approval", "checkpoint", "email"} <= kinds
 
 
+@pytest.mark.parametrize("name", ["actions.jsonl", *SPAN_FILES.values()])
+def test_a_converter_factory_is_called_only_for_spans(name: str) -> None:
+    made: list[SpanConverter] = []
+
+    def make() -> SpanConverter:
+        made.append(SpanConverter(ConvertOptions(genai=False, openinference=False, openllmetry=False)))
+        return made[-1]
+
+    items = [item for batch in read_batches(str(READERS / name), converter=make) for item in batch.items]
+    if name == "actions.jsonl":
+        # An action log needs no span converter: replay of one does not load protobuf.
+        assert made == [] and sum(isinstance(i, Action) for i in items) == 5
+    else:
+        assert len(made) == 1
+        kinds = {i.record["kind"] for i in items if isinstance(i, Action)}
+        assert "llm_call" not in kinds and "payment" in kinds, "the converter made was not the one used"
+
+
 def test_reading_is_lazy_and_closes_the_file(tmp_path: Path) -> None:
     target = tmp_path / "many.jsonl"
     line = b'{"session_id":"s","action_id":"a","kind":"write","status":"ok"}\n'

@@ -194,6 +194,9 @@ def parse_lines(
     decode_error = orjson.JSONDecodeError
     append = out.append
     number = first_line - 1
+    # Agents write many lines a second: a time equal to the previous line's is parsed once.
+    last_when: str | None = None
+    last_t: int | None = None
     for raw in raw_lines:
         number += 1
         try:
@@ -202,7 +205,13 @@ def parse_lines(
             record = None
         if type(record) is dict and well_formed(record):
             when = record.get("time")
-            append(Action(record, "log", origin, number, parse_rfc3339(when) if type(when) is str else None, seq))
+            if type(when) is str:
+                if when != last_when:
+                    last_when, last_t = when, parse_rfc3339(when)
+                t = last_t
+            else:
+                t = None
+            append(Action(record, "log", origin, number, t, seq))
             seq += 1
             continue
         item = parse_line(raw, origin, number, seq)

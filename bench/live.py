@@ -20,6 +20,7 @@ fires on a later span of the session, whenever the agent sends it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -163,6 +164,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` loopback ports free now, all different: their sockets are held open together."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
 @dataclass(slots=True)
 class StepResult:
     offered_spans_s: float
@@ -287,6 +297,10 @@ def _wait_ready(port: int, serve: subprocess.Popen[bytes], timeout_s: float = 60
     raise RuntimeError("serve did not become ready")
 
 
+# Starts of serve per step: one, and more only when a port chosen for it was taken meanwhile.
+_START_ATTEMPTS: Final = 3
+
+
 def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
              allowed_lateness: str | None = None, state_backend: str | None = None) -> StepResult:
     """One fresh serve, one client run at ``rate`` spans/s for ``duration_s`` (bounded by the dump's size).
@@ -305,35 +319,48 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
                 expected[action_id] = index
     with tempfile.TemporaryDirectory(prefix="durable-check-bench-") as tmp:
         work = Path(tmp)
-        grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
         jsonl = work / "violations.jsonl"
         evaluate = f"evaluate:\n  allowed_lateness: {allowed_lateness}\n" if allowed_lateness is not None else ""
         if state_backend is not None:
             evaluate += f"state:\n  backend: {state_backend}\n  path: {work / 'state.db'}\n"
         config_path = work / "serve.yaml"
-        config_path.write_text(
-            "receivers:\n  otlp:\n"
-            f"    grpc:\n      endpoint: 127.0.0.1:{grpc_port}\n"
-            f"    http:\n      endpoint: 127.0.0.1:{http_port}\n"
-            f"{evaluate}"
-            "exporters:\n"
-            f"  jsonl:\n    path: {jsonl}\n"
-            f"  prometheus:\n    endpoint: 127.0.0.1:{metrics_port}\n"
-            "telemetry:\n  logs:\n    level: info\n",
-            encoding="utf-8",
-        )
-        config = load_config(str(config_path))
-        held_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
         stderr_path = work / "serve.stderr"
         env = build.child_env(PYTHONPYCACHEPREFIX=str(_ROOT / "bench" / "out" / "pycache"))
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        with stderr_path.open("wb") as stderr:
-            serve = subprocess.Popen(
-                [sys.executable, "-m", "processor.cli", "serve", "--config", str(config_path)],
-                cwd=work, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            # A port found free can be taken by another process before serve listens on it: then
+            # serve says so and stops, and the step starts again on other ports (a bounded number of times).
+            grpc_port, http_port, metrics_port = free_ports(3)
+            config_path.write_text(
+                "receivers:\n  otlp:\n"
+                f"    grpc:\n      endpoint: 127.0.0.1:{grpc_port}\n"
+                f"    http:\n      endpoint: 127.0.0.1:{http_port}\n"
+                f"{evaluate}"
+                "exporters:\n"
+                f"  jsonl:\n    path: {jsonl}\n"
+                f"  prometheus:\n    endpoint: 127.0.0.1:{metrics_port}\n"
+                "telemetry:\n  logs:\n    level: info\n",
+                encoding="utf-8",
             )
+            with stderr_path.open("wb") as stderr:
+                serve = subprocess.Popen(
+                    [sys.executable, "-m", "processor.cli", "serve", "--config", str(config_path)],
+                    cwd=work, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+                )
+            try:
+                _wait_ready(http_port, serve)
+                break
+            except RuntimeError as exc:
+                if serve.poll() is None:
+                    serve.kill()
+                    serve.wait()
+                said = stderr_path.read_text(encoding="utf-8", errors="replace")
+                if "cannot listen" in said and attempt < _START_ATTEMPTS:
+                    continue
+                raise RuntimeError(f"{exc}; serve's last words: {said[-2000:]}") from None
+        config = load_config(str(config_path))
+        held_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
         try:
-            _wait_ready(http_port, serve)
             tailer = Tailer(jsonl)
             tailer.start()
             client_out = work / "client.json"

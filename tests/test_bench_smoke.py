@@ -6,11 +6,13 @@ benchmark, see docs/performance.md). The run starts real serve and replay proces
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from bench.generate import Story, rule_file_text, write_otlp_stream
 from bench.live import template_of
@@ -108,3 +110,32 @@ def test_the_wide_dump_tells_the_same_story_with_more_attributes(tmp_path: Path)
 
     assert records(wide) == records(narrow)
     assert len(records(wide)) == wide_stats.actions
+
+
+def test_a_live_step_starts_serve_again_when_a_port_chosen_for_it_was_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench import live
+
+    dump = tmp_path / "dump.bin"
+    write_otlp_stream(dump, 1_024, 10, seed=5)
+    # Another process listens on the gRPC port the first start is given: serve says it cannot
+    # listen and stops; the step starts it again on other ports instead of failing.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        real = live.free_ports
+        chosen: list[list[int]] = []
+
+        def ports(count: int) -> list[int]:
+            got = real(count)
+            if not chosen:
+                got[0] = taken.getsockname()[1]
+            chosen.append(got)
+            return got
+
+        monkeypatch.setattr(live, "free_ports", ports)
+        result = live.run_step(dump, 1_000.0, 1.0)
+    assert len(chosen) == 2
+    assert result.ok_spans == result.sent_spans == 1_024
+    assert result.evaluated_spans == 1_024

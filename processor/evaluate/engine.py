@@ -1297,16 +1297,14 @@ class Engine:
                 self._emit(self._violation(plan, action, act, session), session, out)
 
     def _count_kind(self, session: SessionState, kind: str) -> None:
-        """Count one action of ``kind``; many sessions hold the same small counts, so share the tuples.
+        """Count one action of ``kind`` in a session whose counts are still a tuple (``_count_record``
+        counts in a dict itself); many sessions hold the same small counts, so share the tuples.
 
         Replay counts in a dict per session from the first action: its sessions live for one run,
         and sharing costs more CPU per record than the dicts' memory is worth there. serve keeps
-        idle sessions for days, and shares.
+        idle sessions for days, and shares until a session is busy (SessionState.count_kind).
         """
         kinds = session.kinds
-        if type(kinds) is dict:  # a busy session: its counts are its own
-            kinds[kind] = kinds.get(kind, 0) + 1
-            return
         if not self._serve:
             own = session.kinds = session.kinds_dict()
             own[kind] = own.get(kind, 0) + 1

@@ -158,12 +158,6 @@ def client(target: str, dump: Path, *, requests: int, rate: float, streams: int,
 # -- orchestration -----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def free_ports(count: int) -> list[int]:
     """``count`` loopback ports free now, all different: their sockets are held open together."""
     with contextlib.ExitStack() as stack:

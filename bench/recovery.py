@@ -34,7 +34,7 @@ from typing import Any, Final
 import orjson
 
 from bench import build
-from bench.live import _metric, free_port, metric_or_none
+from bench.live import _metric, free_ports, metric_or_none
 from processor.state.bufferrows import live_entries
 
 _ROOT: Final = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def _scrape(metrics_port: int) -> str | None:
 def run(dump: Path, rate: float, before_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="durable-check-recovery-") as tmp:
         work = Path(tmp)
-        grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+        grpc_port, http_port, metrics_port = free_ports(3)
         db = work / "state.db"
         config_path = work / "serve.yaml"
         config_path.write_text(

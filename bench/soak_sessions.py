@@ -37,7 +37,7 @@ from typing import Any, Final
 import orjson
 
 from bench import build
-from bench.live import EXPORT_METHOD, Tailer, _metric, _wait_ready, free_port
+from bench.live import EXPORT_METHOD, Tailer, _metric, _wait_ready, free_ports
 
 _ROOT: Final = Path(__file__).resolve().parents[1]
 # A session's first round of steps: the payment trips DS002 at once, and DS110 once the tool call after
@@ -221,7 +221,7 @@ def run(rate: float, duration_s: float, *, warmup_s: float, active: int, session
     run_id = f"soak{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="durable-check-soak-") as tmp:
         work = Path(tmp)
-        grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+        grpc_port, http_port, metrics_port = free_ports(3)
         jsonl = work / "violations.jsonl"
         config_path = work / "serve.yaml"
         config_path.write_text(

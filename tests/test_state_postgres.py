@@ -3,8 +3,10 @@ expires, and the work of a replica that died adopted by another. A real server, 
 
 from __future__ import annotations
 
+import threading
 import time
 
+import psycopg
 import pytest
 
 from processor.evaluate.engine import Engine, EngineOptions
@@ -119,3 +121,54 @@ def test_lost_connection_is_retryable_and_reconnects(pg_server: str) -> None:
     assert all(isinstance(i, int) for i in journal.append([NewEntry(b"r", "grpc", "o", 1, 0)]))
     store.close()
     killer.close()
+
+
+def _owners(store: PostgresStore) -> dict[str, str]:
+    return {str(sid): str(owner) for sid, owner in store.query("SELECT session_id, replica_id FROM session_owner")}
+
+
+def test_a_request_takes_its_sessions_in_order_up_to_the_first_held_elsewhere(pg_server: str) -> None:
+    url = fresh_database(pg_server)
+    one = PostgresStore(url, replica_id="r1", lease_ttl_s=60)
+    two = PostgresStore(url, replica_id="r2", lease_ttl_s=60)
+    assert isinstance(_claim(two, "s5")[0], int)
+    assert isinstance(_claim(one, "s7")[0], int)
+    lease_of_s7 = one.query("SELECT lease_until FROM session_owner WHERE session_id = 's7'")
+    refused = _claim(one, *(f"s{i}" for i in range(1, 10)))[0]
+    assert isinstance(refused, SessionOwnedElsewhere)
+    assert "held by another replica" in str(refused)
+    # s1-s4 come before r2's s5 and are taken; s6-s9 are not reached: s7 keeps its old lease.
+    assert _owners(one) == {"s1": "r1", "s2": "r1", "s3": "r1", "s4": "r1", "s5": "r2", "s7": "r1"}
+    assert one.query("SELECT lease_until FROM session_owner WHERE session_id = 's7'") == lease_of_s7
+    # A request of the sessions r1 holds or nobody does is taken whole, the leases renewed.
+    assert isinstance(_claim(one, "s1", "s7", "s8")[0], int)
+    assert _owners(one)["s8"] == "r1"
+    assert one.query("SELECT lease_until FROM session_owner WHERE session_id = 's7'") != lease_of_s7
+    assert not one.takeover_pending()
+    one.close()
+    two.close()
+
+
+def test_a_session_claimed_meanwhile_by_another_replica_stops_the_claims_there(pg_server: str) -> None:
+    url = fresh_database(pg_server)
+    one = PostgresStore(url, replica_id="r1", lease_ttl_s=60)
+    results: list[object] = []
+    with psycopg.connect(url) as other:
+        # Another replica's claim of s5, not yet committed: r1 does not see it, and its own claim
+        # of s5 waits for that transaction's outcome.
+        other.execute("INSERT INTO session_owner VALUES ('s5', 'r2', clock_timestamp() + interval '1 hour')")
+        claiming = threading.Thread(target=lambda: results.extend(_claim(one, *(f"s{i}" for i in range(1, 10)))))
+        claiming.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not other.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE application_name = 'durable-check r1' AND wait_event_type = 'Lock'"
+        ).fetchone():
+            time.sleep(0.02)
+        other.commit()
+        claiming.join(timeout=20)
+    assert not claiming.is_alive()
+    assert isinstance(results[0], SessionOwnedElsewhere)
+    assert "just claimed by another replica" in str(results[0])
+    # What r1 would have claimed after s5 is given back in the same transaction.
+    assert _owners(one) == {"s1": "r1", "s2": "r1", "s3": "r1", "s4": "r1", "s5": "r2"}
+    one.close()

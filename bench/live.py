@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -293,15 +295,45 @@ def _wait_ready(port: int, serve: subprocess.Popen[bytes], timeout_s: float = 60
 
 # Starts of serve per step: one, and more only when a port chosen for it was taken meanwhile.
 _START_ATTEMPTS: Final = 3
+# Where serve reads a step's PostgreSQL DSN from: a DSN may hold a password, which stays out
+# of the configuration file the step writes to disk.
+_POSTGRES_DSN_VAR: Final = "DURABLE_CHECK_BENCH_POSTGRES_DSN"
+_step_databases = itertools.count(1)
+
+
+@contextlib.contextmanager
+def step_database(server_dsn: str) -> Iterator[str]:
+    """A new, empty database on the PostgreSQL server ``server_dsn`` names, for one step (serve
+    starts with no state, as on a new SQLite file); its DSN. Dropped afterwards."""
+    import psycopg
+    from psycopg import conninfo, sql
+
+    name = f"durable_check_bench_{os.getpid()}_{next(_step_databases)}"
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield conninfo.make_conninfo(server_dsn, dbname=name)
+    finally:
+        with psycopg.connect(server_dsn, autocommit=True) as conn:
+            # FORCE: a serve killed mid-step may leave a connection behind.
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
-             allowed_lateness: str | None = None, state_backend: str | None = None) -> StepResult:
+             allowed_lateness: str | None = None, state_backend: str | None = None,
+             postgres_dsn: str | None = None) -> StepResult:
     """One fresh serve, one client run at ``rate`` spans/s for ``duration_s`` (bounded by the dump's size).
 
     ``allowed_lateness`` and ``state_backend`` override serve's defaults; None keeps them.
+    ``postgres_dsn``: a PostgreSQL server; serve keeps its state in a new database there,
+    dropped after the step (``state_backend`` is then postgres, and needs it).
     """
     from processor.config import load_config
+
+    if state_backend == "postgres" and postgres_dsn is None:
+        raise ValueError("the postgres state backend needs postgres_dsn, the server its database is made on")
+    if postgres_dsn is not None and state_backend not in (None, "postgres"):
+        raise ValueError(f"postgres_dsn keeps serve's state in PostgreSQL, not with state_backend {state_backend!r}")
 
     flaws = orjson.loads(flaws_path(dump).read_bytes())
     per_request = 512
@@ -311,16 +343,20 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
         for action_id, flaw in flawed:
             if flaw in PER_RECORD_FLAWS:
                 expected[action_id] = index
-    with tempfile.TemporaryDirectory(prefix="durable-check-bench-") as tmp:
+    # The step's database is dropped (the stack) before its directory is removed.
+    with tempfile.TemporaryDirectory(prefix="durable-check-bench-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         jsonl = work / "violations.jsonl"
+        env = build.child_env(PYTHONPYCACHEPREFIX=str(_ROOT / "bench" / "out" / "pycache"))
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         evaluate = f"evaluate:\n  allowed_lateness: {allowed_lateness}\n" if allowed_lateness is not None else ""
-        if state_backend is not None:
+        if postgres_dsn is not None:
+            env[_POSTGRES_DSN_VAR] = stack.enter_context(step_database(postgres_dsn))
+            evaluate += f"state:\n  backend: postgres\n  postgres:\n    dsn: ${{env:{_POSTGRES_DSN_VAR}}}\n"
+        elif state_backend is not None:
             evaluate += f"state:\n  backend: {state_backend}\n  path: {work / 'state.db'}\n"
         config_path = work / "serve.yaml"
         stderr_path = work / "serve.stderr"
-        env = build.child_env(PYTHONPYCACHEPREFIX=str(_ROOT / "bench" / "out" / "pycache"))
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
         for attempt in range(1, _START_ATTEMPTS + 1):
             # A port found free can be taken by another process before serve listens on it: then
             # serve says so and stops, and the step starts again on other ports (a bounded number of times).
@@ -352,9 +388,10 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
                 if "cannot listen" in said and attempt < _START_ATTEMPTS:
                     continue
                 raise RuntimeError(f"{exc}; serve's last words: {said[-2000:]}") from None
-        config = load_config(str(config_path))
-        held_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
         try:
+            # Inside: whatever fails once serve runs, serve is stopped (below).
+            config = load_config(str(config_path), env)
+            held_s = float(config.evaluate.allowed_lateness) + 2 * float(config.evaluate.tick_interval)
             tailer = Tailer(jsonl)
             tailer.start()
             client_out = work / "client.json"
@@ -438,12 +475,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--streams", type=int, default=8)
     s.add_argument("--allowed-lateness", default=None)
     s.add_argument("--state", default=None, help="state backend (default: serve's default)")
+    s.add_argument("--postgres", metavar="DSN", default=None,
+                   help="keep serve's state in a new database on this PostgreSQL server, dropped after the step "
+                        "(implies --state postgres; a password is best given in PGPASSWORD)")
     args = parser.parse_args(argv)
     if args.command == "client":
         client(args.target, args.dump, requests=args.requests, rate=args.rate, streams=args.streams, out=args.out)
         return 0
+    if args.state == "postgres" and args.postgres is None:
+        parser.error("--state postgres needs --postgres DSN (the server the step's database is made on)")
+    if args.postgres is not None and args.state not in (None, "postgres"):
+        parser.error(f"--postgres keeps serve's state in PostgreSQL; it cannot go with --state {args.state}")
     result = run_step(args.dump, args.rate, args.duration, streams=args.streams,
-                      allowed_lateness=args.allowed_lateness, state_backend=args.state)
+                      allowed_lateness=args.allowed_lateness, state_backend=args.state, postgres_dsn=args.postgres)
     sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
     return 0
 

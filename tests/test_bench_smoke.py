@@ -18,6 +18,9 @@ from bench.generate import Story, rule_file_text, write_otlp_stream
 from bench.live import template_of
 from bench.run import ROW_KEYS
 from processor.evaluate.rulefmt import load_rules
+from tests.pg_support import pg_server
+
+__all__ = ["pg_server"]  # the fixture, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,3 +142,30 @@ def test_a_live_step_starts_serve_again_when_a_port_chosen_for_it_was_taken(
     assert len(chosen) == 2
     assert result.ok_spans == result.sent_spans == 1_024
     assert result.evaluated_spans == 1_024
+
+
+def test_a_live_step_keeps_serves_state_in_a_database_of_its_own(tmp_path: Path, pg_server: str) -> None:
+    import psycopg
+
+    from bench import live
+
+    dump = tmp_path / "dump.bin"
+    write_otlp_stream(dump, 1_024, 10, seed=5)
+    result = live.run_step(dump, 1_000.0, 1.0, postgres_dsn=pg_server)
+    assert result.state_backend == "postgres"
+    assert result.ok_spans == result.sent_spans == result.evaluated_spans == 1_024
+    assert result.expected_violations > 0
+    assert result.found_violations == result.expected_violations
+    # The step's database was dropped; nothing of it is left on the server.
+    with psycopg.connect(pg_server) as conn:
+        names = [row[0] for row in conn.execute("SELECT datname FROM pg_database")]
+    assert not [name for name in names if name.startswith("durable_check_bench_")]
+
+
+def test_a_live_step_refuses_postgres_without_a_server(tmp_path: Path) -> None:
+    from bench import live
+
+    with pytest.raises(ValueError, match="needs postgres_dsn"):
+        live.run_step(tmp_path / "absent.bin", 1_000.0, 1.0, state_backend="postgres")
+    with pytest.raises(ValueError, match="not with state_backend 'sqlite'"):
+        live.run_step(tmp_path / "absent.bin", 1_000.0, 1.0, state_backend="sqlite", postgres_dsn="postgresql://x")

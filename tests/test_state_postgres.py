@@ -172,3 +172,30 @@ def test_a_session_claimed_meanwhile_by_another_replica_stops_the_claims_there(p
     # What r1 would have claimed after s5 is given back in the same transaction.
     assert _owners(one) == {"s1": "r1", "s2": "r1", "s3": "r1", "s4": "r1", "s5": "r2"}
     one.close()
+
+
+def test_the_outbox_records_each_violation_of_a_batch_once(pg_server: str) -> None:
+    url = fresh_database(pg_server)
+    store = PostgresStore(url, replica_id="r1", lease_ttl_s=60)
+    outbox = Outbox(store, ["jsonl", "alertmanager"])
+
+    def violation(n: int) -> Violation:
+        return Violation(rule="DS002", name="n", severity="critical", session_id=f"s{n % 2}", action_id=f"a{n}",
+                         message="m", violation_id=f"{n:032x}")
+
+    first: list[tuple[int, Violation]] = []
+    second: list[tuple[int, Violation]] = []
+    with store.unit():
+        outbox.add_in_unit([violation(1), violation(2), violation(1)], first.extend)
+    with store.unit():
+        # 2 was recorded by the first unit, 3 twice in this one: each is new once.
+        outbox.add_in_unit([violation(2), violation(3), violation(4), violation(3)], second.extend)
+    assert [v.action_id for _, v in first] == ["a1", "a2"]
+    assert [v.action_id for _, v in second] == ["a3", "a4"]
+    seqs = [seq for seq, _ in first + second]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 4
+    assert [(seq, v.action_id) for seq, v in outbox.pending("alertmanager")] == [
+        (seq, v.action_id) for seq, v in first + second
+    ]
+    assert store.query("SELECT count(*) FROM outbox")[0][0] == 4
+    store.close()

@@ -156,7 +156,7 @@ def test_outbox_records_a_violation_once_and_forgets_delivered_rows_per_exporter
         outbox.add_in_unit([_violation(1), _violation(2)], first.extend)
     with store.unit():
         # Found again (a re-evaluation): never recorded, nor delivered, again.
-        outbox.add_in_unit([_violation(2), _violation(3)], second.extend)
+        outbox.add_in_unit([_violation(2), _violation(3), _violation(3)], second.extend)
     assert [v.action_id for _, v in first] == ["a1", "a2"]
     assert [v.action_id for _, v in second] == ["a3"]
     with store.unit():

@@ -167,17 +167,15 @@ class Outbox:
     def _insert(self, violations: Sequence[Violation]) -> list[tuple[int, Violation]]:
         """Insert the rows (a violation already recorded is not recorded again); the new ones with their seq."""
         store = self._store
-        fresh: list[tuple[int, Violation]] = []
         now = time.time_ns()
+        inserted = store.insert_outbox_rows([
+            (v.violation_id, store.replica_id, v.session_id, now, violation_to_bytes(v)) for v in violations
+        ])
+        fresh: list[tuple[int, Violation]] = []
         for violation in violations:
-            row = store.execute(
-                "INSERT INTO outbox (violation_id, replica_id, session_id, created_ns, body)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (violation_id) DO NOTHING RETURNING seq",
-                (violation.violation_id, store.replica_id, violation.session_id, now,
-                 violation_to_bytes(violation)),
-            ).fetchone()
-            if row is not None:
-                fresh.append((int(row[0]), violation))
+            seq = inserted.pop(violation.violation_id, None)  # popped: a repeat in this batch is not new
+            if seq is not None:
+                fresh.append((seq, violation))
         if fresh and self.exporters:
             store.executemany(
                 "INSERT INTO outbox_pending (exporter, seq) VALUES (?, ?) ON CONFLICT DO NOTHING",

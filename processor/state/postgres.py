@@ -43,7 +43,7 @@ from processor.state.bufferrows import pack_arrivals, segment_spans, unpack_arri
 from processor.state.compression import compress
 from processor.state.faults import SessionOwnedElsewhere, postgres_error
 from processor.state.sessionrows import dumps
-from processor.state.sqlstore import TABLES, SqlStateStore
+from processor.state.sqlstore import TABLES, OutboxRow, SqlStateStore
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,19 @@ class PostgresStore(SqlStateStore):
                 conn.close()
             except psycopg.Error:
                 log.warning("closing the connection to %s failed", self.where)
+
+    def insert_outbox_rows(self, rows: Sequence[OutboxRow]) -> dict[str, int]:
+        """One statement for the unit's violations (a round trip each would be one per violation)."""
+        if len(rows) <= 1:
+            return super().insert_outbox_rows(rows)
+        ids, replicas, sessions, created, bodies = (list(column) for column in zip(*rows, strict=True))
+        found = self.execute(
+            "INSERT INTO outbox (violation_id, replica_id, session_id, created_ns, body)"
+            " SELECT * FROM unnest(?::text[], ?::text[], ?::text[], ?::bigint[], ?::bytea[])"
+            " ON CONFLICT (violation_id) DO NOTHING RETURNING violation_id, seq",
+            (ids, replicas, sessions, created, bodies),
+        ).fetchall()
+        return {str(violation_id): int(seq) for violation_id, seq in found}
 
     def owned_sessions_clause(self) -> tuple[str, tuple[Any, ...]]:
         return "session_id IN (SELECT session_id FROM session_owner WHERE replica_id = ?)", (self.replica_id,)

@@ -110,6 +110,8 @@ TABLES: Final = (
 
 _TimerId = tuple[str, str, GroupKey]
 UnitOp = Callable[[], None]
+# An outbox row as inserted: violation id, replica id, session id, created (ns), body.
+OutboxRow = tuple[str, str, str, int, bytes]
 
 
 @dataclass(slots=True)
@@ -255,6 +257,19 @@ class SqlStateStore(StateStore):
     def takeover_pending(self) -> bool:
         """True when sessions were claimed whose state this replica does not hold: rebuild the engine."""
         return False
+
+    def insert_outbox_rows(self, rows: Sequence[OutboxRow]) -> dict[str, int]:
+        """Insert outbox rows in the open transaction, skipping a violation already recorded (or
+        earlier in ``rows``); the seq of each row inserted, by violation id."""
+        inserted: dict[str, int] = {}
+        for row in rows:
+            found = self.execute(
+                "INSERT INTO outbox (violation_id, replica_id, session_id, created_ns, body)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (violation_id) DO NOTHING RETURNING seq", row,
+            ).fetchone()
+            if found is not None:
+                inserted[row[0]] = int(found[0])
+        return inserted
 
     def maintain(self) -> bool:
         """Periodic upkeep (a shared store renews its lease and adopts dead replicas' work).

@@ -22,7 +22,9 @@ Sections (rows of the table):
 - ``live``: ``durable-check serve`` with its default state backend; offered load is
   stepped up until a step loses a span or falls behind; the same with the other store
   (``sqlite`` when the default is ``memory``); then the send-to-violation latency at
-  half the sustained rate (with the default allowed lateness, and with 0s).
+  half the sustained rate (with the default allowed lateness, and with 0s). With
+  ``--postgres DSN``, also one replica with its state in PostgreSQL (a new database on
+  that server for each step), stepped up the same way: the figure per replica.
 - ``memory``: RSS per idle open session (``bench/bench_sessions_memory.py``).
 - ``rules``: per-record evaluation time of the shipped packs and of 10, 50 and 200
   generated condition rules.
@@ -45,7 +47,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -520,13 +522,14 @@ def section_replay_rss(size: Size, runs: int, log: Callable[[str], None], detail
     return rows
 
 
-def sustained_search(path: Path, size: Size, log: Callable[[str], None],
-                     state_backend: str | None) -> tuple[list[live.StepResult], live.StepResult | None]:
+def sustained_search(path: Path, size: Size, log: Callable[[str], None], state_backend: str | None,
+                     postgres_dsn: str | None = None) -> tuple[list[live.StepResult], live.StepResult | None]:
     """Step the offered load up until a step is not sustained; the steps run and the last sustained one."""
     steps = []
     sustained: live.StepResult | None = None
     for offered in size.live_rates:
-        step = live.run_step(path, offered, size.live_step_s, state_backend=state_backend)
+        step = live.run_step(path, offered, size.live_step_s, state_backend=state_backend,
+                             postgres_dsn=postgres_dsn)
         steps.append(step)
         log(f"live ({step.state_backend}): offered {offered:,} spans/s -> achieved {step.achieved_spans_s:,.0f}, "
             f"lossless={step.lossless}, sustained={step.sustained}")
@@ -548,7 +551,8 @@ def sustained_row(key: str, steps: list[live.StepResult], sustained: live.StepRe
                stopped, None, f">= {TARGET_LIVE_SPANS_S:,}", rate >= TARGET_LIVE_SPANS_S)
 
 
-def section_live(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
+def section_live(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any],
+                 postgres_dsn: str | None = None) -> list[Row]:
     path, _ = otlp_dump(size.spans, size.sessions, log)
     steps, sustained = sustained_search(path, size, log, None)
     details["live_steps"] = [s.as_dict() for s in steps]
@@ -559,6 +563,12 @@ def section_live(size: Size, runs: int, log: Callable[[str], None], details: dic
     other_steps, other_sustained = sustained_search(path, size, log, other)
     details[f"live_steps_{other}"] = [s.as_dict() for s in other_steps]
     rows.append(sustained_row("live.sustained.other", other_steps, other_sustained, other))
+    if postgres_dsn is not None:
+        # One replica, the database beside it: a figure recorded, not held to the target.
+        pg_steps, pg_sustained = sustained_search(path, size, log, "postgres", postgres_dsn)
+        details["live_steps_postgres"] = [s.as_dict() for s in pg_steps]
+        row = sustained_row("live.sustained.postgres", pg_steps, pg_sustained, "postgres, one replica")
+        rows.append(replace(row, target="recorded", met=None))
     rate = sustained.offered_spans_s if sustained is not None else 0.0
     half = rate / 2
     for lateness in (None, "0s"):
@@ -667,6 +677,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT / "results.json")
     parser.add_argument("--build", choices=build.BUILDS, default="source",
                         help="measure the checkout's sources (as an editable install runs them) or its compiled wheel")
+    parser.add_argument("--postgres", metavar="DSN", default=None,
+                        help="live: also measure one replica with its state on this PostgreSQL server (a new "
+                             "database per step, dropped after it)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -686,7 +699,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         # Other work on the machine skews wall-clock numbers (live above all): say how much there was.
         before = os.getloadavg()[0]
-        rows += SECTION_FUNCTIONS[name](size, args.runs, log, details)
+        if name == "live":
+            rows += section_live(size, args.runs, log, details, postgres_dsn=args.postgres)
+        else:
+            rows += SECTION_FUNCTIONS[name](size, args.runs, log, details)
         details["load_average"][name] = {"before": before, "after": os.getloadavg()[0]}
     table = render(rows)
     sys.stdout.write(table + "\n")
@@ -694,7 +710,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "size": args.size,
         "runs": args.runs,
         "machine": machine(),
-        "command": f"python -m bench --size {args.size} --runs {args.runs} --build {args.build}",
+        # The server's DSN is not recorded: it may hold a password.
+        "command": f"python -m bench --size {args.size} --runs {args.runs} --build {args.build}"
+                   + (" --postgres DSN" if args.postgres is not None else ""),
         "build": args.build,
         "elapsed_s": time.monotonic() - started,
         "rows": [row.as_dict() for row in rows],

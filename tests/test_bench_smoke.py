@@ -169,3 +169,26 @@ def test_a_live_step_refuses_postgres_without_a_server(tmp_path: Path) -> None:
         live.run_step(tmp_path / "absent.bin", 1_000.0, 1.0, state_backend="postgres")
     with pytest.raises(ValueError, match="not with state_backend 'sqlite'"):
         live.run_step(tmp_path / "absent.bin", 1_000.0, 1.0, state_backend="sqlite", postgres_dsn="postgresql://x")
+
+
+def test_the_live_section_records_one_postgres_replica_when_given_a_server(tmp_path: Path, pg_server: str) -> None:
+    out = tmp_path / "results.json"
+    skipped = [arg for name in ("replay_otlp", "replay_actions", "replay_skill", "replay_rss", "memory", "rules")
+               for arg in ("--skip", name)]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--size", "tiny", "--runs", "1", *skipped, "--postgres", pg_server,
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = orjson.loads(out.read_bytes())
+    by_key = {row["key"]: row for row in result["rows"]}
+    row = by_key["live.sustained.postgres"]
+    assert row["target"] == "recorded" and row["met"] is None
+    assert row["value"] == 2_000  # the tiny size's one step, sustained
+    steps = result["details"]["live_steps_postgres"]
+    assert [s["state_backend"] for s in steps] == ["postgres"]
+    assert steps[0]["lossless"] and steps[0]["sustained"]
+    # The server's address stays out of what the benchmark writes.
+    assert pg_server not in out.read_text(encoding="utf-8")
+    assert result["command"].endswith("--postgres DSN")

@@ -211,7 +211,6 @@ class PostgresStore(SqlStateStore):
         owners = {str(r[0]): (str(r[1]), bool(r[2])) for r in rows}
         unowned: list[str] = []
         renewed: list[str] = []  # in sorted order, as ``ids``
-        taken_from: set[str] = set()  # sessions whose lease expired under another replica
         stopped: dict[str, bool] = {}
         refused: StateError | None = None
         for session_id in ids:
@@ -234,16 +233,10 @@ class PostgresStore(SqlStateStore):
                         "a session of this request belongs to a replica that stopped; its work is being adopted"
                     )
                     break
-                taken_from.add(session_id)
             renewed.append(session_id)
         claimed: list[str] = []
         if unowned:
-            inserted = {str(r[0]) for r in self.execute(
-                "INSERT INTO session_owner (session_id, replica_id, lease_until)"
-                " SELECT s, ?, lease_end(?) FROM unnest(?::text[]) AS s"
-                " ON CONFLICT (session_id) DO NOTHING RETURNING session_id",
-                (me, self.lease_ttl_s, unowned),
-            ).fetchall()}
+            inserted = self._claim_all(unowned)
             lost = next((sid for sid in unowned if sid not in inserted), None)
             if lost is not None:
                 # Another replica claimed it first: the walk stops there, and what it would not
@@ -262,22 +255,23 @@ class PostgresStore(SqlStateStore):
                 "UPDATE session_owner SET replica_id = ?, lease_until = lease_end(?) WHERE session_id = ANY(?)",
                 (me, self.lease_ttl_s, renewed),
             )
-            if not taken_from.isdisjoint(renewed):
-                self._takeover = True
+            if any(owners[sid][0] != me for sid in renewed):
+                self._takeover = True  # a lease that expired under another replica
         if claimed and not self._takeover and self.execute(
             "SELECT 1 FROM sessions WHERE session_id = ANY(?) LIMIT 1", (claimed,)
         ).fetchone():
             self._takeover = True  # state a replica that stopped left behind
         return refused
 
-    def _claim(self, session_id: str) -> bool:
-        """Take an unowned session with a fresh lease; False when another replica claimed it first."""
-        inserted = self.execute(
-            "INSERT INTO session_owner (session_id, replica_id, lease_until) VALUES (?, ?, lease_end(?))"
-            " ON CONFLICT (session_id) DO NOTHING RETURNING 1",
-            (session_id, self.replica_id, self.lease_ttl_s),
-        ).fetchone()
-        return inserted is not None
+    def _claim_all(self, session_ids: Sequence[str]) -> set[str]:
+        """Take unowned sessions with a fresh lease, in one statement and in the order given; the
+        ones taken (not those another replica claimed first)."""
+        return {str(r[0]) for r in self.execute(
+            "INSERT INTO session_owner (session_id, replica_id, lease_until)"
+            " SELECT s, ?, lease_end(?) FROM unnest(?::text[]) AS s"
+            " ON CONFLICT (session_id) DO NOTHING RETURNING session_id",
+            (self.replica_id, self.lease_ttl_s, list(session_ids)),
+        ).fetchall()}
 
     def _stopped_unadopted(self, replica: str) -> bool:
         row = self.execute(
@@ -306,9 +300,9 @@ class PostgresStore(SqlStateStore):
                 f"{len(moved)} session(s) of this batch moved to another replica", moved=moved
             )
         missing = [sid for sid in saved if sid not in owners]
-        for session_id in missing:
-            if not self._claim(session_id):
-                raise SessionOwnedElsewhere("a session of this batch was claimed by another replica")
+        # A claim lost to another replica raises, and the whole unit is rolled back with it.
+        if missing and len(self._claim_all(missing)) < len(missing):
+            raise SessionOwnedElsewhere("a session of this batch was claimed by another replica")
         if saved:
             self.execute(
                 "UPDATE session_owner SET lease_until = lease_end(?) WHERE session_id = ANY(?) AND replica_id = ?",

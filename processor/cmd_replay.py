@@ -8,6 +8,7 @@ Replay is the serve pipeline fed from files: the same converter, engine and rule
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import sys
@@ -251,13 +252,8 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callabl
     from processor.receive.files import read_batches
     from processor.report import printable
 
-    made: list[SpanConverter] = []
-
-    def converter() -> SpanConverter:
-        """One converter for every input of spans, made at the first (action logs need none)."""
-        if not made:
-            made.append(new_converter())
-        return made[0]
+    # One converter for every input of spans, made at the first (action logs need none).
+    converter = functools.cache(new_converter)
 
     try:
         for path in args.inputs:

@@ -13,8 +13,14 @@ kind, status, the ``durable.*`` keys). No records, no rules, no output.
 ten checks (DS000-DS009) inline, counting what they find. ``replay --pack
 durable-sessions`` is judged against this loop.
 
+``floor``: less than any replay of an action log can do: read each line and parse it with
+the fastest validating parser Python has (msgspec, in C, into a structure of the skill's
+fields), nothing else: no check, no count by session, no report. What this costs, start-up
+included, is the least CPU a Python replay of that log can take, so the loop's CPU over
+it is the highest ratio to the ``skill`` loop that any Python replay can reach.
+
 Each prints one JSON line, ``{"items": N}``, so the harness can check it saw the whole
-input. Run as ``python -m bench.limits {otlp|actions} FILE``.
+input. Run as ``python -m bench.limits {otlp|actions|skill|floor} FILE``.
 """
 
 from __future__ import annotations
@@ -150,14 +156,48 @@ def skill_limit(path: str, strict: bool = False) -> tuple[int, int]:
     return records, violations
 
 
+def skill_floor(path: str) -> tuple[int, int]:
+    """(lines, lines the typed parse refused): each line parsed into the skill's fields, and nothing else."""
+    from typing import Any
+
+    import msgspec
+
+    # Built here, not at module level: the skill's loop imports nothing but json.
+    maybe_str, maybe_bool, maybe_int = str | None, bool | None, int | None
+    skill_record = msgspec.defstruct("SkillRecord", [
+        ("session_id", str), ("action_id", str), ("kind", str), ("status", str),
+        ("time", maybe_str, None), ("result", Any, None), ("result_ref", maybe_str, None),
+        ("idempotency_key", maybe_str, None), ("replay", maybe_str, None), ("side_effects", maybe_bool, None),
+        ("retryable", maybe_bool, None), ("max_attempts", maybe_int, None), ("attempts", maybe_int, None),
+        ("cacheable", maybe_bool, None), ("cache_key", maybe_str, None), ("ttl_s", maybe_int, None),
+        ("on_failure", maybe_str, None),
+    ])
+
+    decode = msgspec.json.Decoder(skill_record).decode
+    refused_error = msgspec.DecodeError
+    lines = refused = 0
+    with open(path, "rb", buffering=_READ_SIZE) as handle:
+        for line in handle:
+            text = line.strip()
+            if not text or text[0] == 0x23:  # "#": skipped as the skill's loop skips it
+                continue
+            lines += 1
+            try:
+                decode(text)
+            except refused_error:
+                refused += 1  # a malformed line, or a field of another type: one exception, no more
+    return lines, refused
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("otlp", "actions", "skill"):
-        sys.stderr.write("usage: python -m bench.limits {otlp|actions|skill} FILE\n")
+    if len(args) != 2 or args[0] not in ("otlp", "actions", "skill", "floor"):
+        sys.stderr.write("usage: python -m bench.limits {otlp|actions|skill|floor} FILE\n")
         return 2
-    if args[0] == "skill":
-        count, found = skill_limit(args[1])
-        sys.stdout.write(json.dumps({"items": count, "violations": found}) + "\n")
+    if args[0] in ("skill", "floor"):
+        count, found = skill_limit(args[1]) if args[0] == "skill" else skill_floor(args[1])
+        key = "violations" if args[0] == "skill" else "refused"
+        sys.stdout.write(json.dumps({"items": count, key: found}) + "\n")
         return 0
     count = otlp_limit(args[1]) if args[0] == "otlp" else actions_limit(args[1])
     sys.stdout.write(json.dumps({"items": count}) + "\n")

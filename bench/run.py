@@ -16,7 +16,9 @@ Sections (rows of the table):
   ``bench.limits skill`` (``json.loads`` each line and apply the skill's ten checks
   inline: the work the skill's checker does); and the cost of one violation, from
   detection to its written report line. Replay writes its text report here, the shape
-  the skill's checker prints.
+  the skill's checker prints. Beside the loop, the floor (``bench.limits floor``: each
+  line read and parsed typed, nothing else), the least CPU any Python replay of the log
+  can take, and replay's own start-up past the floor's (a one-line log).
 - ``replay_rss``: peak RSS of replay at two input lengths (a tenth, and all, of the
   dump), the same sessions in both.
 - ``live``: ``durable-check serve`` with its default state backend; offered load is
@@ -63,7 +65,7 @@ ROW_KEYS: Final = (
     "replay_otlp.rate", "replay_otlp.rss", "replay_otlp.wide", "replay_actions.rate", "replay_actions.rss",
     "replay_skill.clean.pack", "replay_skill.clean.all", "replay_skill.flaws.pack", "replay_skill.flaws.all",
     "replay_skill.violation", "replay_skill.violation.pair.text", "replay_skill.violation.pair.json",
-    "replay_skill.shapes",
+    "replay_skill.clean.floor", "replay_skill.flaws.floor", "replay_skill.startup", "replay_skill.shapes",
     "replay_rss.small", "replay_rss.large", "live.sustained", "live.sustained.other",
     "live.p50.default", "live.p99.default",
     "live.p50.zero", "live.p99.zero", "memory.smaller", "memory.larger",
@@ -452,6 +454,28 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
                         "median of the CPU differences of alternated runs of the two logs / violations "
                         f"(difference of the medians: {pair['us_per_violation_of_medians']:.2f} us)", None,
                         f"<= {TARGET_VIOLATION_US} us", pair["us_per_violation"] <= TARGET_VIOLATION_US))
+    # The floor beside the loop: how far a Python replay could go at most, and what the target leaves.
+    for name, share in SKILL_LOGS:
+        path, stats = skill_log(size.skill_lines, name, share, log)
+        floor = floor_vs_limit(path, items=stats["actions"], runs=runs)
+        results[f"{name}.floor"] = floor
+        budget_us = (_median(floor["limit_cpu_s"]) / TARGET_SKILL_PACK_RATIO
+                     - _median(floor["floor_cpu_s"])) / stats["actions"] * 1e6
+        floor["budget_us_per_line"] = budget_us
+        log(f"replay_skill: {name}, the floor: {floor['ratio']:.2f}x the inline checks; {TARGET_SKILL_PACK_RATIO}x "
+            f"leaves {budget_us:.2f} us a line past the parse")
+        rows.append(Row(f"replay_skill.{name}.floor",
+                        f"the floor of a Python replay, {name}: each line read and parsed typed (msgspec), "
+                        "nothing else", floor["floor_rate"], "lines/CPU-s",
+                        f"{floor['limit_rate']:,.0f} lines/CPU-s (the loop)", floor["ratio"],
+                        f"recorded: {TARGET_SKILL_PACK_RATIO}x the loop leaves {budget_us:.2f} us a line "
+                        "past the parse, start-up and report included"))
+    startup = startup_cost(runs)
+    results["startup"] = startup
+    log(f"replay_skill: start-up {startup['startup_ms']:.1f} ms of CPU past the floor's")
+    rows.append(Row("replay_skill.startup", "replay's start-up (skill's pack, a one-line log) past the floor's",
+                    startup["startup_ms"], "ms", f"{_median(startup['floor_cpu_s']) * 1e3:.1f} ms for the floor "
+                    "(interpreter and parser)", None, "recorded"))
     # The clean log again, its records in thousands of shapes (payload keys, key order): the
     # growth of replay's cost per line beside the growth of the loop's (which parses more bytes).
     path, stats = skill_log(size.skill_lines, "varied", SKILL_LOGS[0][1], log, varied=True)
@@ -467,6 +491,48 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
                     growth <= TARGET_SHAPES_GROWTH * limit_growth))
     details["replay_skill"] = results
     return rows
+
+
+def floor_vs_limit(path: Path, *, items: int, runs: int) -> dict[str, Any]:
+    """The skill's loop and the floor (``bench.limits floor``), alternated as in :func:`replay_vs_limit`."""
+    limit_runs: list[Measured] = []
+    floor_runs: list[Measured] = []
+    run_measured(python("-m", "bench.limits", "floor", str(path)))  # unmeasured warm-up
+    for _ in range(runs):
+        for kind, into in (("skill", limit_runs), ("floor", floor_runs)):
+            done = run_measured(python("-m", "bench.limits", kind, str(path)))
+            seen = orjson.loads(done.stdout)["items"]
+            if seen != items:
+                raise RuntimeError(f"{kind} loop saw {seen} items, expected {items}")
+            into.append(done)
+    return {
+        "items": items,
+        "floor_rate": _median([items / r.cpu_s for r in floor_runs]),
+        "limit_rate": _median([items / r.cpu_s for r in limit_runs]),
+        "ratio": _median([lr.cpu_s / fr.cpu_s for fr, lr in zip(floor_runs, limit_runs, strict=True)]),
+        "floor_cpu_s": [r.cpu_s for r in floor_runs],
+        "limit_cpu_s": [r.cpu_s for r in limit_runs],
+    }
+
+
+def startup_cost(runs: int) -> dict[str, Any]:
+    """CPU of replay (the skill's pack) on a one-line log, past the floor's on the same line, alternated."""
+    path = data_dir() / f"skill-one-v{generate.GENERATOR_VERSION}.jsonl"
+    if not path.exists():
+        path.write_bytes(b'{"session_id":"s-1","action_id":"a-1","kind":"checkpoint","status":"ok",'
+                         b'"time":"2026-11-01T09:14:00Z","result":{"n":0}}\n')
+    command = [*replay_command(path, "actions", "text"), "--pack", "durable-sessions"]
+    replay_runs: list[Measured] = []
+    floor_runs: list[Measured] = []
+    run_measured(command)  # unmeasured warm-up
+    for _ in range(max(runs, 5)):  # a run takes a tenth of a second: a few more cost nothing
+        replay_runs.append(run_measured(command))
+        floor_runs.append(run_measured(python("-m", "bench.limits", "floor", str(path))))
+    return {
+        "startup_ms": _median([(r.cpu_s - f.cpu_s) * 1e3 for r, f in zip(replay_runs, floor_runs, strict=True)]),
+        "replay_cpu_s": [r.cpu_s for r in replay_runs],
+        "floor_cpu_s": [r.cpu_s for r in floor_runs],
+    }
 
 
 def violation_pair(lines: int, report_format: str, runs: int) -> dict[str, Any]:

@@ -93,6 +93,26 @@ def test_generated_rules_load_through_the_real_loader(tmp_path: Path) -> None:
     assert len(ruleset.rules) == 50
 
 
+def test_the_floor_reads_the_lines_the_skills_loop_checks_and_refuses_the_malformed(tmp_path: Path) -> None:
+    """The floor parses what the loop checks, line for line; what it cannot parse typed it only counts."""
+    from bench.limits import skill_floor, skill_limit
+
+    log = tmp_path / "a.jsonl"
+    log.write_text(
+        '{"session_id":"s","action_id":"a1","kind":"checkpoint","status":"ok","result":{"n":1}}\n'
+        "# a comment\n"
+        "\n"
+        '{"action_id":"a2","kind":"checkpoint","status":"ok"}\n'
+        '{"session_id":"s","action_id":"a3","kind":"payment","status":"ok","attempts":"two"}\n'
+        '{"session_id":"s","action_id":\n'
+        '  {"session_id":"s","action_id":"a4","kind":"llm_call","status":"ok","retryable":true}  \n',
+        encoding="utf-8",
+    )
+    lines, violations = skill_limit(str(log))
+    # Two malformed lines, a payment without its key, a model call without its result and without a cap.
+    assert (lines, violations) == (5, 5)
+    assert skill_floor(str(log)) == (5, 3)  # the line without a session, the wrong type, the cut line
+
 def test_the_wide_dump_tells_the_same_story_with_more_attributes(tmp_path: Path) -> None:
     """The second OTLP dump adds attributes no profile reads: the same actions come out of both."""
     from bench.generate import extra_attributes, read_otlp_stream

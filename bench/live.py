@@ -15,6 +15,12 @@ runs, scrapes serve's self-metrics, stops it with SIGTERM and reads its peak RSS
 A violation's latency is the time from its request's send to the moment its line
 appeared in the file; only per-record rules are timed (a session rule such as DS110
 fires on a later span of the session, whenever the agent sends it).
+
+Replicas (:func:`run_replicas`, ``step --replicas N``): N such steps at once on this
+machine, each its own serve and state, the dump split by session beforehand
+(:func:`split_dump`) so that each replica receives its sessions whole, as the
+Collector's load-balancing exporter routes them; request i of every replica is sent at
+the same time, so together they are offered the rate asked for.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +60,8 @@ PER_RECORD_RULES: Final = frozenset({"DS001", "DS002", "DS003", "DS004", "DS007"
 _START_TAG: Final = b"\x39"  # Span.start_time_unix_nano: field 7, fixed64
 _END_TAG: Final = b"\x41"  # Span.end_time_unix_nano: field 8, fixed64
 _SPAN_DURATION_NS: Final = 400_000
+_REQUEST_SPANS: Final = 512  # spans in each request of the generated dumps
+_SESSION_KEY: Final = "durable.session.id"
 _ROOT: Final = Path(__file__).resolve().parents[1]
 
 
@@ -110,7 +119,8 @@ def client(target: str, dump: Path, *, requests: int, rate: float, streams: int,
     grpc.channel_ready_future(channel).result(timeout=30)
     # Bytes in, bytes out: the client spends nothing on (de)serialization.
     export = channel.unary_unary(EXPORT_METHOD, request_serializer=None, response_deserializer=None)
-    interval_s = templates[0].spans / rate if templates else 0.0
+    # The mean request, not the first: a replica's share of a split dump varies from request to request.
+    interval_s = sum(t.spans for t in templates) / len(templates) / rate if templates else 0.0
     sends: list[list[int]] = [[0, 0, 0] for _ in templates]
     errors: dict[str, int] = {}
     lock = threading.Lock()
@@ -321,12 +331,14 @@ def step_database(server_dsn: str) -> Iterator[str]:
 
 def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
              allowed_lateness: str | None = None, state_backend: str | None = None,
-             postgres_dsn: str | None = None) -> StepResult:
+             postgres_dsn: str | None = None, requests: int | None = None) -> StepResult:
     """One fresh serve, one client run at ``rate`` spans/s for ``duration_s`` (bounded by the dump's size).
 
     ``allowed_lateness`` and ``state_backend`` override serve's defaults; None keeps them.
     ``postgres_dsn``: a PostgreSQL server; serve keeps its state in a new database there,
     dropped after the step (``state_backend`` is then postgres, and needs it).
+    ``requests``: how many of the dump's requests to send (default: what ``rate`` sends of
+    512-span requests in ``duration_s``).
     """
     from processor.config import load_config
 
@@ -336,8 +348,9 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
         raise ValueError(f"postgres_dsn keeps serve's state in PostgreSQL, not with state_backend {state_backend!r}")
 
     flaws = orjson.loads(flaws_path(dump).read_bytes())
-    per_request = 512
-    requests = max(1, min(len(flaws["requests"]), round(rate * duration_s / per_request)))
+    if requests is None:
+        requests = round(rate * duration_s / _REQUEST_SPANS)
+    requests = max(1, min(len(flaws["requests"]), requests))
     expected: dict[str, int] = {}
     for index, flawed in enumerate(flaws["requests"][:requests]):
         for action_id, flaw in flawed:
@@ -453,6 +466,151 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
     )
 
 
+def replica_of(session: str, replicas: int) -> int:
+    """The replica a session routes to: a stable hash of its id (as a load-balancing exporter's ring would)."""
+    return zlib.crc32(session.encode()) % replicas
+
+
+def split_dump(dump: Path, replicas: int) -> list[Path]:
+    """The dump split by session into ``replicas`` dumps, each request into its share for each replica.
+
+    Request i of each split dump holds the spans of request i of the dump whose session routes
+    to that replica (the span's ``durable.session.id``, else its resource's, else its trace's
+    first span's), so a replica receives each of its sessions whole, in the order sent. Each
+    split dump has its flaws sidecar. Written once, next to the dump.
+    """
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    paths = [dump.with_name(f"{dump.stem}-replica{r + 1}of{replicas}{dump.suffix}") for r in range(replicas)]
+    if all(p.exists() and flaws_path(p).exists() for p in paths):
+        return paths
+    flaws = orjson.loads(flaws_path(dump).read_bytes())
+    trace_session: dict[bytes, str] = {}
+    action_replica: dict[str, int] = {}
+    partial = [p.with_name(f"{p.name}.{os.getpid()}.partial") for p in paths]
+    split_flaws: list[list[list[tuple[str, str]]]] = [[] for _ in paths]
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(p.open("wb")) for p in partial]
+        for index, payload in enumerate(read_otlp_stream(dump)):
+            request = ExportTraceServiceRequest.FromString(payload)
+            shares = [ExportTraceServiceRequest() for _ in paths]
+            for resource_spans in request.resource_spans:
+                resource_session = _string_attribute(resource_spans.resource.attributes, _SESSION_KEY)
+                for scope_spans in resource_spans.scope_spans:
+                    parts: dict[int, Any] = {}
+                    for span in scope_spans.spans:
+                        session = (_string_attribute(span.attributes, _SESSION_KEY) or resource_session
+                                   or trace_session.get(span.trace_id, ""))
+                        trace_session.setdefault(span.trace_id, session)
+                        replica = replica_of(session, replicas)
+                        action_id = _string_attribute(span.attributes, "durable.action.id")
+                        if action_id:
+                            action_replica[action_id] = replica
+                        if replica not in parts:
+                            target = shares[replica].resource_spans.add()
+                            target.resource.CopyFrom(resource_spans.resource)
+                            target.schema_url = resource_spans.schema_url
+                            part = target.scope_spans.add()
+                            part.scope.CopyFrom(scope_spans.scope)
+                            part.schema_url = scope_spans.schema_url
+                            parts[replica] = part
+                        parts[replica].spans.append(span)
+            for replica, share in enumerate(shares):
+                body = share.SerializeToString()
+                outs[replica].write(struct.pack(">I", len(body)))
+                outs[replica].write(body)
+            flawed = flaws["requests"][index] if index < len(flaws["requests"]) else []
+            for replica in range(replicas):
+                split_flaws[replica].append([])
+            for action_id, flaw in flawed:
+                if action_id not in action_replica:
+                    raise RuntimeError(f"{dump}: flawed action {action_id} is on no span of request {index}")
+                split_flaws[action_replica[action_id]][index].append((action_id, flaw))
+    for path, tmp, requests in zip(paths, partial, split_flaws, strict=True):
+        flaws_path(path).write_bytes(orjson.dumps({"requests": requests}))
+        tmp.replace(path)  # last: the dump exists only once its sidecar does
+    return paths
+
+
+def _string_attribute(attributes: Any, key: str) -> str:
+    for kv in attributes:
+        if kv.key == key:
+            return str(kv.value.string_value)
+    return ""
+
+
+@dataclass(slots=True)
+class ReplicasResult:
+    """Replicas side by side on one machine, each sent its sessions' share at the same time."""
+
+    offered_spans_s: float
+    steps: list[StepResult]
+
+    @property
+    def achieved_spans_s(self) -> float:
+        return sum(step.achieved_spans_s for step in self.steps)
+
+    @property
+    def lossless(self) -> bool:
+        return all(step.lossless for step in self.steps)
+
+    @property
+    def sustained(self) -> bool:
+        return all(step.sustained for step in self.steps)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"offered_spans_s": self.offered_spans_s, "replicas": len(self.steps),
+                "achieved_spans_s": self.achieved_spans_s, "lossless": self.lossless,
+                "sustained": self.sustained, "steps": [step.as_dict() for step in self.steps]}
+
+
+def run_replicas(dump: Path, rate: float, duration_s: float, replicas: int, *, streams: int = 8,
+                 state_backend: str | None = None) -> ReplicasResult:
+    """``replicas`` serves on this machine at once, the dump's sessions split among them by session.
+
+    Each replica is a step of its own (its own serve, state, ports, client and checks), sent
+    its share of the same requests at the same times: together they are offered ``rate``.
+    The result is sustained when every replica's step is.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, not {replicas}")
+    paths = split_dump(dump, replicas) if replicas > 1 else [dump]
+    requests = round(rate * duration_s / _REQUEST_SPANS)
+    sizes = [_spans_in(path, requests) for path in paths]
+    total = sum(sizes)
+    results: list[StepResult | BaseException | None] = [None] * replicas
+
+    def one(replica: int) -> None:
+        try:
+            results[replica] = run_step(paths[replica], rate * sizes[replica] / total, duration_s, streams=streams,
+                                        state_backend=state_backend, requests=requests)
+        except BaseException as exc:  # raised again below, in the caller's thread
+            results[replica] = exc
+
+    threads = [threading.Thread(target=one, args=(r,), name=f"replica-{r + 1}") for r in range(replicas)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    steps: list[StepResult] = []
+    for replica, result in enumerate(results):
+        if not isinstance(result, StepResult):
+            raise RuntimeError(f"replica {replica + 1} of {replicas}: {result!r}") from (
+                result if isinstance(result, BaseException) else None)
+        steps.append(result)
+    return ReplicasResult(rate, steps)
+
+
+def _spans_in(dump: Path, requests: int) -> int:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    spans = 0
+    for payload in itertools.islice(read_otlp_stream(dump), requests):
+        request = ExportTraceServiceRequest.FromString(payload)
+        spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+    return spans
+
+
 def _all_found(seen: dict[tuple[str, str], int], expected: dict[str, int]) -> bool:
     found = {a for (rule, a) in seen if rule in PER_RECORD_RULES}
     return len(found & expected.keys()) == len(expected)
@@ -478,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--postgres", metavar="DSN", default=None,
                    help="keep serve's state in a new database on this PostgreSQL server, dropped after the step "
                         "(implies --state postgres; a password is best given in PGPASSWORD)")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="serves side by side on this machine, the dump's sessions split among them (default 1)")
     args = parser.parse_args(argv)
     if args.command == "client":
         client(args.target, args.dump, requests=args.requests, rate=args.rate, streams=args.streams, out=args.out)
@@ -486,6 +646,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--state postgres needs --postgres DSN (the server the step's database is made on)")
     if args.postgres is not None and args.state not in (None, "postgres"):
         parser.error(f"--postgres keeps serve's state in PostgreSQL; it cannot go with --state {args.state}")
+    if args.replicas < 1:
+        parser.error(f"--replicas must be at least 1, not {args.replicas}")
+    if args.replicas > 1:
+        if args.postgres is not None or args.allowed_lateness is not None:
+            parser.error("--replicas runs each replica with its own SQLite or memory state and the default lateness; "
+                         "it cannot go with --postgres or --allowed-lateness")
+        replicas = run_replicas(args.dump, args.rate, args.duration, args.replicas, streams=args.streams,
+                                state_backend=args.state)
+        sys.stdout.write(json.dumps(replicas.as_dict(), indent=2) + "\n")
+        return 0
     result = run_step(args.dump, args.rate, args.duration, streams=args.streams,
                       allowed_lateness=args.allowed_lateness, state_backend=args.state, postgres_dsn=args.postgres)
     sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")

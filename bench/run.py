@@ -24,7 +24,10 @@ Sections (rows of the table):
 - ``live``: ``durable-check serve`` with its default state backend; offered load is
   stepped up until a step loses a span or falls behind; the same with the other store
   (``sqlite`` when the default is ``memory``); then the send-to-violation latency at
-  half the sustained rate (with the default allowed lateness, and with 0s). With
+  half the sustained rate (with the default allowed lateness, and with 0s). Then two
+  serves side by side on this machine, each with its own state of the default store, the
+  dump's sessions split between them as the Collector routes them (``bench.live
+  run_replicas``), stepped up from the rate one serve sustained. With
   ``--postgres DSN``, also one replica with its state in PostgreSQL (a new database on
   that server for each step), stepped up the same way: the figure per replica.
 - ``memory``: RSS per idle open session (``bench/bench_sessions_memory.py``).
@@ -66,7 +69,7 @@ ROW_KEYS: Final = (
     "replay_skill.clean.pack", "replay_skill.clean.all", "replay_skill.flaws.pack", "replay_skill.flaws.all",
     "replay_skill.violation", "replay_skill.violation.pair.text", "replay_skill.violation.pair.json",
     "replay_skill.clean.floor", "replay_skill.flaws.floor", "replay_skill.startup", "replay_skill.shapes",
-    "replay_rss.small", "replay_rss.large", "live.sustained", "live.sustained.other",
+    "replay_rss.small", "replay_rss.large", "live.sustained", "live.sustained.other", "live.sustained.replicas",
     "live.p50.default", "live.p99.default",
     "live.p50.zero", "live.p99.zero", "memory.smaller", "memory.larger",
     "rules.shipped", "rules.10", "rules.50", "rules.200",
@@ -112,6 +115,8 @@ SKILL_LOGS: Final = (("clean", 0.04), ("flaws", 0.68))
 # The clean log's cost per line may grow this much when its records take thousands of shapes.
 TARGET_SHAPES_GROWTH: Final = 1.1
 TARGET_LIVE_SPANS_S: Final = 25_000
+# Serves side by side on one machine in the live section's replicas row (one per core of the target machine).
+LIVE_REPLICAS: Final = 2
 TARGET_P99_MS: Final = 250.0
 TARGET_SESSION_BYTES: Final = 2048
 
@@ -629,6 +634,31 @@ def section_live(size: Size, runs: int, log: Callable[[str], None], details: dic
     other_steps, other_sustained = sustained_search(path, size, log, other)
     details[f"live_steps_{other}"] = [s.as_dict() for s in other_steps]
     rows.append(sustained_row("live.sustained.other", other_steps, other_sustained, other))
+    # Two replicas of the default store side by side on this machine, the sessions split between
+    # them as the Collector routes them: what the machine sustains, beside what one process does.
+    # Steps start at the rate one replica sustained (below it, two replicas are sure to).
+    start = sustained.offered_spans_s if sustained is not None else 0.0
+    pair_rates = [rate for rate in size.live_rates if rate >= start] or [size.live_rates[-1]]
+    pair_steps: list[live.ReplicasResult] = []
+    pair_sustained: live.ReplicasResult | None = None
+    for offered in pair_rates:
+        pair = live.run_replicas(path, offered, size.live_step_s, LIVE_REPLICAS)
+        pair_steps.append(pair)
+        log(f"live ({backend}, {LIVE_REPLICAS} replicas): offered {offered:,} spans/s -> achieved "
+            f"{pair.achieved_spans_s:,.0f}, lossless={pair.lossless}, sustained={pair.sustained}")
+        if not pair.sustained:
+            break
+        pair_sustained = pair
+    details["live_steps_replicas"] = [p.as_dict() for p in pair_steps]
+    last = pair_steps[-1]
+    pair_rate = pair_sustained.offered_spans_s if pair_sustained is not None else 0.0
+    stopped = (f"every step up to {last.offered_spans_s:,.0f} offered was sustained" if last is pair_sustained
+               else f"{last.offered_spans_s:,.0f} offered: {last.achieved_spans_s:,.0f} achieved, "
+                    f"lossless={last.lossless}")
+    rows.append(Row("live.sustained.replicas",
+                    f"{LIVE_REPLICAS} serves on this machine, sessions split between them, nothing lost "
+                    f"(state: {backend}, each its own)", pair_rate, "spans/s", stopped, None,
+                    f"recorded (one serve's target: >= {TARGET_LIVE_SPANS_S:,})"))
     if postgres_dsn is not None:
         # One replica, the database beside it: a figure recorded, not held to the target.
         pg_steps, pg_sustained = sustained_search(path, size, log, "postgres", postgres_dsn)

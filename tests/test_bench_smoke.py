@@ -93,6 +93,46 @@ def test_generated_rules_load_through_the_real_loader(tmp_path: Path) -> None:
     assert len(ruleset.rules) == 50
 
 
+def test_a_dump_split_for_replicas_keeps_each_session_whole_on_one_replica(tmp_path: Path) -> None:
+    """Every span once, request by request; a session's spans, and its flaws, all on one replica."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from bench.generate import flaws_path, read_otlp_stream
+    from bench.live import split_dump
+
+    dump = tmp_path / "d.bin"
+    write_otlp_stream(dump, 3_000, 30, seed=5)
+    paths = split_dump(dump, 2)
+    assert split_dump(dump, 2) == paths  # written once, then found
+
+    def spans_of(payload: bytes) -> list[tuple[bytes, str, str]]:
+        request = ExportTraceServiceRequest.FromString(payload)
+        out = []
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    found = {kv.key: kv.value.string_value for kv in span.attributes}
+                    out.append((span.span_id, found.get("durable.session.id", ""), found.get("durable.action.id", "")))
+        return out
+
+    original = [spans_of(p) for p in read_otlp_stream(dump)]
+    shares = [[spans_of(p) for p in read_otlp_stream(path)] for path in paths]
+    flaws = orjson.loads(flaws_path(dump).read_bytes())["requests"]
+    split_flaws = [orjson.loads(flaws_path(path).read_bytes())["requests"] for path in paths]
+    home: dict[str, int] = {}
+    for index, spans in enumerate(original):
+        parts = [share[index] for share in shares]
+        assert sorted(s for part in parts for s in part) == sorted(spans)
+        for replica, part in enumerate(parts):
+            actions = {action for _, _, action in part}
+            for _, session, _ in part:
+                if session:
+                    assert home.setdefault(session, replica) == replica, session
+            assert all(action in actions for action, _ in split_flaws[replica][index])
+        assert sorted(map(tuple, flaws[index])) == sorted(tuple(f) for fs in split_flaws for f in fs[index])
+    assert set(home.values()) == {0, 1} and len(home) == 30
+
+
 def test_the_floor_reads_the_lines_the_skills_loop_checks_and_refuses_the_malformed(tmp_path: Path) -> None:
     """The floor parses what the loop checks, line for line; what it cannot parse typed it only counts."""
     from bench.limits import skill_floor, skill_limit

@@ -19,8 +19,9 @@ fires on a later span of the session, whenever the agent sends it).
 Replicas (:func:`run_replicas`, ``step --replicas N``): N such steps at once on this
 machine, each its own serve and state, the dump split by session beforehand
 (:func:`split_dump`) so that each replica receives its sessions whole, as the
-Collector's load-balancing exporter routes them; request i of every replica is sent at
-the same time, so together they are offered the rate asked for.
+Collector's load-balancing exporter routes them; each replica's client paces request i
+of its share at the same offset from its start, so together they are offered the rate
+asked for.
 """
 
 from __future__ import annotations
@@ -475,8 +476,9 @@ def split_dump(dump: Path, replicas: int) -> list[Path]:
     """The dump split by session into ``replicas`` dumps, each request into its share for each replica.
 
     Request i of each split dump holds the spans of request i of the dump whose session routes
-    to that replica (the span's ``durable.session.id``, else its resource's, else its trace's
-    first span's), so a replica receives each of its sessions whole, in the order sent. Each
+    to that replica (the span's ``durable.session.id``, else its resource's, else that of the
+    first span of its trace that named one), so a replica receives each of its sessions
+    whole, in the order sent. Each
     split dump has its flaws sidecar. Written once, next to the dump.
     """
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -501,7 +503,8 @@ def split_dump(dump: Path, replicas: int) -> list[Path]:
                     for span in scope_spans.spans:
                         session = (_string_attribute(span.attributes, _SESSION_KEY) or resource_session
                                    or trace_session.get(span.trace_id, ""))
-                        trace_session.setdefault(span.trace_id, session)
+                        if session:
+                            trace_session.setdefault(span.trace_id, session)
                         replica = replica_of(session, replicas)
                         action_id = _string_attribute(span.attributes, "durable.action.id")
                         if action_id:
@@ -569,7 +572,7 @@ def run_replicas(dump: Path, rate: float, duration_s: float, replicas: int, *, s
     """``replicas`` serves on this machine at once, the dump's sessions split among them by session.
 
     Each replica is a step of its own (its own serve, state, ports, client and checks), sent
-    its share of the same requests at the same times: together they are offered ``rate``.
+    its share of the same requests at the same pace: together they are offered ``rate``.
     The result is sustained when every replica's step is.
     """
     if replicas < 1:

@@ -63,6 +63,8 @@ _END_TAG: Final = b"\x41"  # Span.end_time_unix_nano: field 8, fixed64
 _SPAN_DURATION_NS: Final = 400_000
 _REQUEST_SPANS: Final = 512  # spans in each request of the generated dumps
 _SESSION_KEY: Final = "durable.session.id"
+# In a split dump's name: a split written in an older layout (its sidecar without span counts) is not reused.
+_SPLIT_VERSION: Final = 2
 _ROOT: Final = Path(__file__).resolve().parents[1]
 
 
@@ -478,12 +480,13 @@ def split_dump(dump: Path, replicas: int) -> list[Path]:
     Request i of each split dump holds the spans of request i of the dump whose session routes
     to that replica (the span's ``durable.session.id``, else its resource's, else that of the
     first span of its trace that named one), so a replica receives each of its sessions
-    whole, in the order sent. Each
-    split dump has its flaws sidecar. Written once, next to the dump.
+    whole, in the order sent. Each split dump has its sidecar: the flaws of each request,
+    and its number of spans. Written once, next to the dump.
     """
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    paths = [dump.with_name(f"{dump.stem}-replica{r + 1}of{replicas}{dump.suffix}") for r in range(replicas)]
+    paths = [dump.with_name(f"{dump.stem}-replica{r + 1}of{replicas}-s{_SPLIT_VERSION}{dump.suffix}")
+             for r in range(replicas)]
     if all(p.exists() and flaws_path(p).exists() for p in paths):
         return paths
     flaws = orjson.loads(flaws_path(dump).read_bytes())
@@ -491,6 +494,7 @@ def split_dump(dump: Path, replicas: int) -> list[Path]:
     action_replica: dict[str, int] = {}
     partial = [p.with_name(f"{p.name}.{os.getpid()}.partial") for p in paths]
     split_flaws: list[list[list[tuple[str, str]]]] = [[] for _ in paths]
+    split_spans: list[list[int]] = [[] for _ in paths]
     with contextlib.ExitStack() as stack:
         outs = [stack.enter_context(p.open("wb")) for p in partial]
         for index, payload in enumerate(read_otlp_stream(dump)):
@@ -522,6 +526,7 @@ def split_dump(dump: Path, replicas: int) -> list[Path]:
                 body = share.SerializeToString()
                 outs[replica].write(struct.pack(">I", len(body)))
                 outs[replica].write(body)
+                split_spans[replica].append(sum(len(part.spans) for part in parts_of(share)))
             flawed = flaws["requests"][index] if index < len(flaws["requests"]) else []
             for replica in range(replicas):
                 split_flaws[replica].append([])
@@ -529,10 +534,16 @@ def split_dump(dump: Path, replicas: int) -> list[Path]:
                 if action_id not in action_replica:
                     raise RuntimeError(f"{dump}: flawed action {action_id} is on no span of request {index}")
                 split_flaws[action_replica[action_id]][index].append((action_id, flaw))
-    for path, tmp, requests in zip(paths, partial, split_flaws, strict=True):
-        flaws_path(path).write_bytes(orjson.dumps({"requests": requests}))
+    for path, tmp, requests, spans in zip(paths, partial, split_flaws, split_spans, strict=True):
+        flaws_path(path).write_bytes(orjson.dumps({"requests": requests, "spans": spans}))
         tmp.replace(path)  # last: the dump exists only once its sidecar does
     return paths
+
+
+def parts_of(request: Any) -> Iterator[Any]:
+    """The ScopeSpans of an ExportTraceServiceRequest."""
+    for resource_spans in request.resource_spans:
+        yield from resource_spans.scope_spans
 
 
 def _string_attribute(attributes: Any, key: str) -> str:
@@ -544,7 +555,7 @@ def _string_attribute(attributes: Any, key: str) -> str:
 
 @dataclass(slots=True)
 class ReplicasResult:
-    """Replicas side by side on one machine, each sent its sessions' share at the same time."""
+    """Replicas side by side on one machine, each sent its sessions' share at the same pace."""
 
     offered_spans_s: float
     steps: list[StepResult]
@@ -560,6 +571,27 @@ class ReplicasResult:
     @property
     def sustained(self) -> bool:
         return all(step.sustained for step in self.steps)
+
+    @property
+    def state_backend(self) -> str:
+        return f"{self.steps[0].state_backend}, {len(self.steps)} replicas"
+
+    @property
+    def errors(self) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for step in self.steps:
+            for status, count in step.errors.items():
+                merged[status] = merged.get(status, 0) + count
+        return merged
+
+    @property
+    def evaluated_spans(self) -> int | None:
+        counts = [step.evaluated_spans for step in self.steps]
+        return None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
+
+    @property
+    def sent_spans(self) -> int:
+        return sum(step.sent_spans for step in self.steps)
 
     def as_dict(self) -> dict[str, Any]:
         return {"offered_spans_s": self.offered_spans_s, "replicas": len(self.steps),
@@ -579,7 +611,9 @@ def run_replicas(dump: Path, rate: float, duration_s: float, replicas: int, *, s
         raise ValueError(f"replicas must be at least 1, not {replicas}")
     paths = split_dump(dump, replicas) if replicas > 1 else [dump]
     requests = round(rate * duration_s / _REQUEST_SPANS)
-    sizes = [_spans_in(path, requests) for path in paths]
+    # Each replica is offered its share of the spans these requests hold (the split's sidecar counts them).
+    sizes = ([sum(orjson.loads(flaws_path(path).read_bytes())["spans"][:requests]) for path in paths]
+             if replicas > 1 else [1])
     total = sum(sizes)
     results: list[StepResult | BaseException | None] = [None] * replicas
 
@@ -602,16 +636,6 @@ def run_replicas(dump: Path, rate: float, duration_s: float, replicas: int, *, s
                 result if isinstance(result, BaseException) else None)
         steps.append(result)
     return ReplicasResult(rate, steps)
-
-
-def _spans_in(dump: Path, requests: int) -> int:
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    spans = 0
-    for payload in itertools.islice(read_otlp_stream(dump), requests):
-        request = ExportTraceServiceRequest.FromString(payload)
-        spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-    return spans
 
 
 def _all_found(seen: dict[tuple[str, str], int], expected: dict[str, int]) -> bool:

@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeVar
 
 import orjson
 
@@ -302,6 +302,21 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def alternated(first: Sequence[str], second: Sequence[str], runs: int) -> tuple[list[Measured], list[Measured]]:
+    """Two commands run in turn ``runs`` times, so that background load hits both alike.
+
+    Each runs once unmeasured first: bytecode cache and page cache as a second run finds them.
+    """
+    run_measured(first)
+    run_measured(second)
+    firsts: list[Measured] = []
+    seconds: list[Measured] = []
+    for _ in range(runs):
+        firsts.append(run_measured(first))
+        seconds.append(run_measured(second))
+    return firsts, seconds
+
+
 def replay_vs_limit(path: Path, input_format: str, limit: str, *, items: int, expected_actions: int,
                     runs: int, extra: Sequence[str] = (), report_format: str = "json") -> dict[str, Any]:
     """Replay and its limit loop, alternated so that background load hits both alike.
@@ -309,19 +324,13 @@ def replay_vs_limit(path: Path, input_format: str, limit: str, *, items: int, ex
     ``extra``: replay options (``--pack durable-sessions``); ``report_format``: json, or
     text (the reference checker's shape, counts read from its verdict line).
     """
-    replay_runs: list[Measured] = []
-    limit_runs: list[Measured] = []
     command = [*replay_command(path, input_format, report_format), *extra]
-    # Unmeasured warm-up: bytecode cache and page cache as a second run finds them.
-    run_measured(python("-m", "bench.limits", limit, str(path)))
-    run_measured(command)
-    for _ in range(runs):
-        limit_run = run_measured(python("-m", "bench.limits", limit, str(path)))
+    limit_runs, replay_runs = alternated(python("-m", "bench.limits", limit, str(path)), command, runs)
+    report: dict[str, Any] = {}
+    for limit_run, replay_run in zip(limit_runs, replay_runs, strict=True):
         seen = orjson.loads(limit_run.stdout)["items"]
         if seen != items:
             raise RuntimeError(f"limit loop saw {seen} items, expected {items}")
-        limit_runs.append(limit_run)
-        replay_run = run_measured(command)
         if report_format == "text":
             actions, found = text_counts(replay_run.stdout)
             report = {"actions": actions, "violations": found}
@@ -329,7 +338,6 @@ def replay_vs_limit(path: Path, input_format: str, limit: str, *, items: int, ex
             report = orjson.loads(replay_run.stdout)
         if expected_actions >= 0 and report["actions"] != expected_actions:
             raise RuntimeError(f"replay read {report['actions']} actions, expected {expected_actions}")
-        replay_runs.append(replay_run)
     # Rates per CPU-second of the process (user + system; both are single-threaded): other
     # processes on the machine do not count against it. Wall-clock rates are kept beside them.
     return {
@@ -499,17 +507,13 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
 
 
 def floor_vs_limit(path: Path, *, items: int, runs: int) -> dict[str, Any]:
-    """The skill's loop and the floor (``bench.limits floor``), alternated as in :func:`replay_vs_limit`."""
-    limit_runs: list[Measured] = []
-    floor_runs: list[Measured] = []
-    run_measured(python("-m", "bench.limits", "floor", str(path)))  # unmeasured warm-up
-    for _ in range(runs):
-        for kind, into in (("skill", limit_runs), ("floor", floor_runs)):
-            done = run_measured(python("-m", "bench.limits", kind, str(path)))
-            seen = orjson.loads(done.stdout)["items"]
-            if seen != items:
-                raise RuntimeError(f"{kind} loop saw {seen} items, expected {items}")
-            into.append(done)
+    """The skill's loop and the floor (``bench.limits floor``), alternated."""
+    limit_runs, floor_runs = alternated(python("-m", "bench.limits", "skill", str(path)),
+                                        python("-m", "bench.limits", "floor", str(path)), runs)
+    for kind, done in (*(("skill", r) for r in limit_runs), *(("floor", r) for r in floor_runs)):
+        seen = orjson.loads(done.stdout)["items"]
+        if seen != items:
+            raise RuntimeError(f"{kind} loop saw {seen} items, expected {items}")
     return {
         "items": items,
         "floor_rate": _median([items / r.cpu_s for r in floor_runs]),
@@ -527,12 +531,8 @@ def startup_cost(runs: int) -> dict[str, Any]:
         path.write_bytes(b'{"session_id":"s-1","action_id":"a-1","kind":"checkpoint","status":"ok",'
                          b'"time":"2026-11-01T09:14:00Z","result":{"n":0}}\n')
     command = [*replay_command(path, "actions", "text"), "--pack", "durable-sessions"]
-    replay_runs: list[Measured] = []
-    floor_runs: list[Measured] = []
-    run_measured(command)  # unmeasured warm-up
-    for _ in range(max(runs, 5)):  # a run takes a tenth of a second: a few more cost nothing
-        replay_runs.append(run_measured(command))
-        floor_runs.append(run_measured(python("-m", "bench.limits", "floor", str(path))))
+    # A run takes a tenth of a second: a few more than ``runs`` cost nothing.
+    replay_runs, floor_runs = alternated(command, python("-m", "bench.limits", "floor", str(path)), max(runs, 5))
     return {
         "startup_ms": _median([(r.cpu_s - f.cpu_s) * 1e3 for r, f in zip(replay_runs, floor_runs, strict=True)]),
         "replay_cpu_s": [r.cpu_s for r in replay_runs],
@@ -546,20 +546,17 @@ def violation_pair(lines: int, report_format: str, runs: int) -> dict[str, Any]:
     unkeyed = data_dir() / f"pair-unkeyed-{lines}-v{generate.GENERATOR_VERSION}.jsonl"
     if not (keyed.exists() and unkeyed.exists()):
         generate.write_violation_pair(keyed, unkeyed, lines, max(1, lines // 100))
-    commands = {name: [*replay_command(path, "actions", report_format), "--pack", "durable-sessions"]
-                for name, path in (("keyed", keyed), ("unkeyed", unkeyed))}
-    for command in commands.values():
-        run_measured(command)  # unmeasured warm-up, as in replay_vs_limit
-    cpu: dict[str, list[float]] = {"keyed": [], "unkeyed": []}
+    keyed_command, unkeyed_command = ([*replay_command(path, "actions", report_format), "--pack", "durable-sessions"]
+                                      for path in (keyed, unkeyed))
+    measured = dict(zip(("keyed", "unkeyed"), alternated(keyed_command, unkeyed_command, runs), strict=True))
+    cpu = {name: [m.cpu_s for m in runs_of] for name, runs_of in measured.items()}
     found: dict[str, int] = {}
-    for _ in range(runs):
-        for name, command in commands.items():
-            measured = run_measured(command)
+    for name, runs_of in measured.items():
+        for m in runs_of:
             if report_format == "text":
-                found[name] = text_counts(measured.stdout)[1]
+                found[name] = text_counts(m.stdout)[1]
             else:
-                found[name] = len(orjson.loads(measured.stdout)["violations"])
-            cpu[name].append(measured.cpu_s)
+                found[name] = len(orjson.loads(m.stdout)["violations"])
     if found != {"keyed": 0, "unkeyed": lines}:
         raise RuntimeError(f"the pair's violations are {found}, expected none and {lines}")
     # Each pair's two runs are seconds apart: the median of their differences leaves out the
@@ -593,14 +590,37 @@ def section_replay_rss(size: Size, runs: int, log: Callable[[str], None], detail
     return rows
 
 
-def sustained_search(path: Path, size: Size, log: Callable[[str], None], state_backend: str | None,
-                     postgres_dsn: str | None = None) -> tuple[list[live.StepResult], live.StepResult | None]:
+class LiveStep(Protocol):
+    """What the search reads of a step: one serve's (live.StepResult) or replicas' (live.ReplicasResult)."""
+
+    @property
+    def offered_spans_s(self) -> float: ...
+    @property
+    def achieved_spans_s(self) -> float: ...
+    @property
+    def lossless(self) -> bool: ...
+    @property
+    def sustained(self) -> bool: ...
+    @property
+    def state_backend(self) -> str: ...
+    @property
+    def errors(self) -> dict[str, int]: ...
+    @property
+    def evaluated_spans(self) -> int | None: ...
+    @property
+    def sent_spans(self) -> int: ...
+
+
+Step = TypeVar("Step", bound=LiveStep)
+
+
+def sustained_search(rates: Sequence[int], run: Callable[[float], Step],
+                     log: Callable[[str], None]) -> tuple[list[Step], Step | None]:
     """Step the offered load up until a step is not sustained; the steps run and the last sustained one."""
-    steps = []
-    sustained: live.StepResult | None = None
-    for offered in size.live_rates:
-        step = live.run_step(path, offered, size.live_step_s, state_backend=state_backend,
-                             postgres_dsn=postgres_dsn)
+    steps: list[Step] = []
+    sustained: Step | None = None
+    for offered in rates:
+        step = run(offered)
         steps.append(step)
         log(f"live ({step.state_backend}): offered {offered:,} spans/s -> achieved {step.achieved_spans_s:,.0f}, "
             f"lossless={step.lossless}, sustained={step.sustained}")
@@ -610,8 +630,7 @@ def sustained_search(path: Path, size: Size, log: Callable[[str], None], state_b
     return steps, sustained
 
 
-def sustained_row(key: str, steps: list[live.StepResult], sustained: live.StepResult | None,
-                  label: str) -> Row:
+def sustained_row(key: str, steps: Sequence[LiveStep], sustained: LiveStep | None, label: str) -> Row:
     rate = sustained.offered_spans_s if sustained is not None else 0.0
     last = steps[-1]
     stopped = f"every step up to {last.offered_spans_s:,.0f} offered was sustained"
@@ -625,13 +644,17 @@ def sustained_row(key: str, steps: list[live.StepResult], sustained: live.StepRe
 def section_live(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any],
                  postgres_dsn: str | None = None) -> list[Row]:
     path, _ = otlp_dump(size.spans, size.sessions, log)
-    steps, sustained = sustained_search(path, size, log, None)
+    def one_serve(state_backend: str | None, postgres_dsn: str | None = None) -> Callable[[float], live.StepResult]:
+        return lambda offered: live.run_step(path, offered, size.live_step_s, state_backend=state_backend,
+                                             postgres_dsn=postgres_dsn)
+
+    steps, sustained = sustained_search(size.live_rates, one_serve(None), log)
     details["live_steps"] = [s.as_dict() for s in steps]
     backend = steps[0].state_backend
     rows = [sustained_row("live.sustained", steps, sustained, f"{backend}, the default")]
     # The other store, so that both the in-memory and the crash-safe numbers are in every table.
     other = "sqlite" if backend != "sqlite" else "memory"
-    other_steps, other_sustained = sustained_search(path, size, log, other)
+    other_steps, other_sustained = sustained_search(size.live_rates, one_serve(other), log)
     details[f"live_steps_{other}"] = [s.as_dict() for s in other_steps]
     rows.append(sustained_row("live.sustained.other", other_steps, other_sustained, other))
     # Two replicas of the default store side by side on this machine, the sessions split between
@@ -639,29 +662,16 @@ def section_live(size: Size, runs: int, log: Callable[[str], None], details: dic
     # Steps start at the rate one replica sustained (below it, two replicas are sure to).
     start = sustained.offered_spans_s if sustained is not None else 0.0
     pair_rates = [rate for rate in size.live_rates if rate >= start] or [size.live_rates[-1]]
-    pair_steps: list[live.ReplicasResult] = []
-    pair_sustained: live.ReplicasResult | None = None
-    for offered in pair_rates:
-        pair = live.run_replicas(path, offered, size.live_step_s, LIVE_REPLICAS)
-        pair_steps.append(pair)
-        log(f"live ({backend}, {LIVE_REPLICAS} replicas): offered {offered:,} spans/s -> achieved "
-            f"{pair.achieved_spans_s:,.0f}, lossless={pair.lossless}, sustained={pair.sustained}")
-        if not pair.sustained:
-            break
-        pair_sustained = pair
+    pair_steps, pair_sustained = sustained_search(
+        pair_rates, lambda offered: live.run_replicas(path, offered, size.live_step_s, LIVE_REPLICAS), log)
     details["live_steps_replicas"] = [p.as_dict() for p in pair_steps]
-    last = pair_steps[-1]
-    pair_rate = pair_sustained.offered_spans_s if pair_sustained is not None else 0.0
-    stopped = (f"every step up to {last.offered_spans_s:,.0f} offered was sustained" if last is pair_sustained
-               else f"{last.offered_spans_s:,.0f} offered: {last.achieved_spans_s:,.0f} achieved, "
-                    f"lossless={last.lossless}")
-    rows.append(Row("live.sustained.replicas",
-                    f"{LIVE_REPLICAS} serves on this machine, sessions split between them, nothing lost "
-                    f"(state: {backend}, each its own)", pair_rate, "spans/s", stopped, None,
-                    f"recorded (one serve's target: >= {TARGET_LIVE_SPANS_S:,})"))
+    row = sustained_row("live.sustained.replicas", pair_steps, pair_sustained,
+                        f"{backend}, {LIVE_REPLICAS} serves on this machine, sessions split between them, each its "
+                        "own state")
+    rows.append(replace(row, target=f"recorded (one serve's target: >= {TARGET_LIVE_SPANS_S:,})", met=None))
     if postgres_dsn is not None:
         # One replica, the database beside it: a figure recorded, not held to the target.
-        pg_steps, pg_sustained = sustained_search(path, size, log, "postgres", postgres_dsn)
+        pg_steps, pg_sustained = sustained_search(size.live_rates, one_serve("postgres", postgres_dsn), log)
         details["live_steps_postgres"] = [s.as_dict() for s in pg_steps]
         row = sustained_row("live.sustained.postgres", pg_steps, pg_sustained, "postgres, one replica")
         rows.append(replace(row, target="recorded", met=None))

@@ -118,12 +118,14 @@ def test_a_dump_split_for_replicas_keeps_each_session_whole_on_one_replica(tmp_p
     original = [spans_of(p) for p in read_otlp_stream(dump)]
     shares = [[spans_of(p) for p in read_otlp_stream(path)] for path in paths]
     flaws = orjson.loads(flaws_path(dump).read_bytes())["requests"]
-    split_flaws = [orjson.loads(flaws_path(path).read_bytes())["requests"] for path in paths]
+    sidecars = [orjson.loads(flaws_path(path).read_bytes()) for path in paths]
+    split_flaws = [sidecar["requests"] for sidecar in sidecars]
     home: dict[str, int] = {}
     for index, spans in enumerate(original):
         parts = [share[index] for share in shares]
         assert sorted(s for part in parts for s in part) == sorted(spans)
         for replica, part in enumerate(parts):
+            assert sidecars[replica]["spans"][index] == len(part)  # what run_replicas offers each replica
             actions = {action for _, _, action in part}
             for _, session, _ in part:
                 if session:

@@ -12,6 +12,10 @@ processed.
 The orchestrator (:func:`run_step`) starts serve on free loopback ports with its
 default state backend and a JSONL exporter, tails the JSONL file while the client
 runs, scrapes serve's self-metrics, stops it with SIGTERM and reads its peak RSS.
+It also reads the CPU time of each of serve's threads before and after the client's
+run (``serve_thread_cores``): the busiest is the evaluator, and what it uses of one core
+says how close serve is to its ceiling, whatever the other cores do.
+
 A violation's latency is the time from its request's send to the moment its line
 appeared in the file; only per-record rules are timed (a session rule such as DS110
 fires on a later span of the session, whenever the agent sends it).
@@ -202,6 +206,9 @@ class StepResult:
     completion_lag_s: float = 0.0
     held_s: float = 0.0
     serve_peak_rss_mib: float = 0.0
+    # serve's threads while the client sent, busiest first: cores each used (its CPU seconds over the
+    # client's wall time), those above 0.01. The first is the evaluator's at any rate that loads serve.
+    serve_thread_cores: list[float] = field(default_factory=list)
     state_backend: str = ""
     allowed_lateness: str = ""
 
@@ -411,12 +418,15 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
             tailer = Tailer(jsonl)
             tailer.start()
             client_out = work / "client.json"
+            threads_before, sending_since = thread_cpu_s(serve.pid), time.monotonic()
             subprocess.run(
                 [sys.executable, "-m", "bench.live", "client", "--target", f"127.0.0.1:{grpc_port}",
                  "--dump", str(dump), "--requests", str(requests), "--rate", str(rate),
                  "--streams", str(streams), "--out", str(client_out)],
                 cwd=_ROOT, env=env, check=True, timeout=duration_s * 10 + 120,
             )
+            thread_cores = busy_thread_cores(threads_before, thread_cpu_s(serve.pid),
+                                             time.monotonic() - sending_since)
             sent = orjson.loads(client_out.read_bytes())
             # Violations held for the allowed lateness are released by the clock: wait for them.
             grace = time.monotonic() + held_s + 5
@@ -464,9 +474,37 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
         completion_lag_s=lag_s,
         held_s=held_s,
         serve_peak_rss_mib=peak_kib / 1024,
+        serve_thread_cores=thread_cores,
         state_backend=config.state.backend,
         allowed_lateness=f"{float(config.evaluate.allowed_lateness):g}s",
     )
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of a process, by thread id (those readable now)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text(encoding="ascii")
+        except OSError:
+            continue  # the thread ended
+        # Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def busy_thread_cores(before: dict[int, float], after: dict[int, float], wall_s: float) -> list[float]:
+    """Cores each thread used between two readings of :func:`thread_cpu_s`, busiest first, those above 0.01."""
+    if wall_s <= 0:
+        return []
+    cores = ((spent - before.get(tid, 0.0)) / wall_s for tid, spent in after.items())
+    return sorted((round(c, 3) for c in cores if c > 0.01), reverse=True)
 
 
 def replica_of(session: str, replicas: int) -> int:

@@ -155,6 +155,59 @@ def test_the_floor_reads_the_lines_the_skills_loop_checks_and_refuses_the_malfor
     assert (lines, violations) == (5, 5)
     assert skill_floor(str(log)) == (5, 3)  # the line without a session, the wrong type, the cut line
 
+def test_the_hand_off_reads_back_what_conversion_gave_and_measures_both_sides(tmp_path: Path) -> None:
+    """bench_handoff converts the dump's requests, writes and reads their items back, and refuses
+    to measure a hand-off that would not give the evaluator the same items."""
+    from bench.bench_handoff import measure
+
+    dump = tmp_path / "dump.bin"
+    write_otlp_stream(dump, 1_024, 10, seed=5)
+    result = measure(dump, requests=2, runs=1)
+    assert result["build"] == "source" and result["requests"] == 2 and result["spans"] == 1_024
+    assert 0 < result["items"] <= 1_024
+    assert result["convert_us"] > 0 and result["load_us"] > 0 and result["dump_us"] > 0
+    assert result["bytes_per_item"] > 50  # a record's fields, not an empty shell
+    assert result["saved_share"] == round(1 - result["load_us"] / result["convert_us"], 3)
+
+
+def test_serves_threads_are_read_by_their_own_cpu_time() -> None:
+    """A live step's ``serve_thread_cores``: each thread's own CPU seconds, the busiest first."""
+    import os
+    import threading
+    import time
+
+    from bench.live import busy_thread_cores, thread_cpu_s
+
+    before = thread_cpu_s(os.getpid())
+    started = time.monotonic()
+    spent = [0.0]
+    spinner: list[int] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        spinner.append(threading.get_native_id())
+        while not stop.is_set() and time.thread_time() < 5.0:  # bounded by its own CPU time
+            sum(range(1_000))
+            spent[0] = time.thread_time()
+
+    busy = threading.Thread(target=spin)
+    busy.start()
+    deadline = time.monotonic() + 30
+    while spent[0] < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = thread_cpu_s(os.getpid())  # read while the spinner still runs: an ended thread is gone
+    wall_s = time.monotonic() - started
+    stop.set()
+    busy.join()
+    assert after[spinner[0]] >= 0.25  # at least what it counted itself, to the clock's tick
+    cores = busy_thread_cores(before, after, wall_s)
+    assert cores[0] == round((after[spinner[0]] - before.get(spinner[0], 0.0)) / wall_s, 3)
+    assert cores == sorted(cores, reverse=True) and all(c > 0.01 for c in cores)
+    # A thread below a hundredth of a core is left out; no time elapsed, nothing to say.
+    assert busy_thread_cores({1: 0.0, 2: 0.0}, {1: 0.5, 2: 0.001}, 1.0) == [0.5]
+    assert busy_thread_cores(before, after, 0.0) == []
+
+
 def test_the_wide_dump_tells_the_same_story_with_more_attributes(tmp_path: Path) -> None:
     """The second OTLP dump adds attributes no profile reads: the same actions come out of both."""
     from bench.generate import extra_attributes, read_otlp_stream

@@ -55,18 +55,20 @@ def measure(dump: Path, requests: int, runs: int) -> dict[str, Any]:
         work()
         return time.process_time() - started
 
-    convert, dump_, load = [], [], []
+    converting: list[float] = []
+    writing: list[float] = []
+    reading: list[float] = []
     for _ in range(runs):
-        convert.append(cpu_s(lambda: [converter.convert_serialized(payload) for payload in payloads]))
-        dump_.append(cpu_s(lambda: [pickle.dumps(i, protocol=pickle.HIGHEST_PROTOCOL) for i in items]))
-        load.append(cpu_s(lambda: [pickle.loads(blob) for blob in blobs]))
+        converting.append(cpu_s(lambda: [converter.convert_serialized(payload) for payload in payloads]))
+        writing.append(cpu_s(lambda: [pickle.dumps(i, protocol=pickle.HIGHEST_PROTOCOL) for i in items]))
+        reading.append(cpu_s(lambda: [pickle.loads(blob) for blob in blobs]))
     count = sum(len(request_items) for request_items in items)
     spans = sum(result.spans_total for result in converted)
 
     def per_item_us(times: list[float]) -> float:
         return round(statistics.median(times) / count * 1e6, 3)
 
-    convert_us, load_us = per_item_us(convert), per_item_us(load)
+    convert_us, load_us = per_item_us(converting), per_item_us(reading)
     return {
         "build": "compiled" if not str(records.__file__).endswith(".py") else "source",
         "requests": len(payloads),
@@ -74,7 +76,7 @@ def measure(dump: Path, requests: int, runs: int) -> dict[str, Any]:
         "items": count,
         "bytes_per_item": round(sum(map(len, blobs)) / count, 1),
         "convert_us": convert_us,
-        "dump_us": per_item_us(dump_),
+        "dump_us": per_item_us(writing),
         "load_us": load_us,
         "saved_share": round(1 - load_us / convert_us, 3) if convert_us else None,
         "runs": runs,

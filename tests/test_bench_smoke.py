@@ -155,6 +155,7 @@ def test_the_floor_reads_the_lines_the_skills_loop_checks_and_refuses_the_malfor
     assert (lines, violations) == (5, 5)
     assert skill_floor(str(log)) == (5, 3)  # the line without a session, the wrong type, the cut line
 
+
 def test_the_hand_off_reads_back_what_conversion_gave_and_measures_both_sides(tmp_path: Path) -> None:
     """bench_handoff converts the dump's requests, writes and reads their items back, and refuses
     to measure a hand-off that would not give the evaluator the same items."""

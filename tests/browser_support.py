@@ -20,7 +20,7 @@ CHROMIUM_ARGS = [
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     executable = shutil.which("chromium")
-    assert executable, "Debian's chromium is needed (.ci/run installs it)"
+    assert executable, "Debian's chromium is needed (scripts/test installs it)"
     with sync_playwright() as pw:
         launched = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
         try:

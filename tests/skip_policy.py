@@ -93,7 +93,7 @@ class SkipPolicy:
             verdict = "fails the run" if self.enforce else "allowed by --allow-skips"
             terminalreporter.write_line(
                 f"{len(unexpected)} skip(s) not named in {self.source}: {verdict}. Install what the "
-                "test needs (the 'test' extra and .ci/run install everything), or add the test with its "
+                "test needs (scripts/test installs everything), or add the test with its "
                 "reason to the allow-list.",
                 red=self.enforce, bold=True,
             )

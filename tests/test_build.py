@@ -1,6 +1,6 @@
 """The two builds: the hot modules compiled by mypyc (a regular wheel) or pure Python.
 
-CI runs the whole suite on each (``.ci/run`` places the compiled wheel's extensions beside
+CI runs the whole suite on each (``scripts/test`` places the compiled wheel's extensions beside
 their sources and sets ``DURABLE_CHECK_EXPECT_BUILD``); these tests check that the build
 under test is the one asked for, whole, and that the wheel build hook (hatch_build.py)
 decides as documented.

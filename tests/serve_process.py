@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,10 +46,23 @@ def _nofile(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
 
+def _merged(base: Any, extra: Any) -> Any:
+    if isinstance(base, dict) and isinstance(extra, Mapping):
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = _merged(out.get(key), value)
+        return out
+    return extra
+
+
 @contextlib.contextmanager
 def serve_process(workdir: Path, receivers: Mapping[str, Any] | None = None, *, nofile: int | None = None,
-                  extra: Mapping[str, Any] | None = None) -> Iterator[ServeProcess]:
-    """serve on free loopback ports (both receivers, the view, /metrics); ``nofile`` lowers its file limit."""
+                  extra: Mapping[str, Any] | None = None,
+                  preexec: Callable[[], None] | None = None) -> Iterator[ServeProcess]:
+    """serve on free loopback ports (both receivers, the view, /metrics); ``nofile`` lowers its file limit.
+
+    ``extra`` is merged over the configuration, section by section; ``preexec`` runs in the child before serve.
+    """
     ports = {name: free_port() for name in ("grpc", "http", "ui", "metrics")}
     otlp: dict[str, Any] = {"grpc": {"endpoint": f"127.0.0.1:{ports['grpc']}"},
                             "http": {"endpoint": f"127.0.0.1:{ports['http']}"}}
@@ -62,8 +75,9 @@ def serve_process(workdir: Path, receivers: Mapping[str, Any] | None = None, *, 
         "ui": {"endpoint": f"127.0.0.1:{ports['ui']}"},
         "exporters": {"jsonl": {"path": str(workdir / "violations.jsonl")},
                       "prometheus": {"endpoint": f"127.0.0.1:{ports['metrics']}"}},
-        **(extra or {}),
     }
+    for key, value in (extra or {}).items():
+        document[key] = _merged(document.get(key), value)
     config = workdir / "serve.yaml"
     config.write_text(yaml.safe_dump(document), encoding="utf-8")
     log = workdir / "serve.log"
@@ -71,7 +85,7 @@ def serve_process(workdir: Path, receivers: Mapping[str, Any] | None = None, *, 
         proc = subprocess.Popen(
             [sys.executable, "-m", "processor.cli", "serve", "--config", str(config)],
             cwd=workdir, env=build.child_env(), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-            preexec_fn=(lambda: _nofile(nofile)) if nofile else None,
+            preexec_fn=preexec or ((lambda: _nofile(nofile)) if nofile else None),
         )
     served = ServeProcess(proc, log, ports["grpc"], ports["http"], ports["ui"], ports["metrics"])
     try:

@@ -24,6 +24,7 @@ draining; it needs no token, so orchestrators can probe it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final, NoReturn
@@ -35,6 +36,7 @@ from grpc_health.v1._async import HealthServicer
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from processor.config import GrpcReceiverConfig
+from processor.open_files import listener_share
 from processor.receive.budget import BudgetSpent, ByteBudget, Claim
 from processor.receive.otlp_common import (
     RefusalLog,
@@ -58,6 +60,10 @@ _RETRY_INFO_KEY: Final = "google.rpc.retryinfo-bin"
 ORIGIN: Final = "otlp-grpc"
 # Streams one connection may have open at once; more wait in the client (HTTP/2 SETTINGS).
 MAX_STREAMS_PER_CONNECTION: Final = 32
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(float(seconds) * 1000))
 
 
 def _server_credentials(cfg: GrpcReceiverConfig) -> grpc.ServerCredentials:
@@ -99,8 +105,13 @@ class OTLPGrpcReceiver:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port (useful with ``:0``)."""
+        connections = self._cfg.connections
         server = grpc.aio.server(
             options=[
+                # The connection limits every listener has (processor.listener_config.ConnectionLimits).
+                ("grpc.max_allowed_incoming_connections", listener_share(connections.max_open)),
+                ("grpc.server_handshake_timeout_ms", _ms(connections.header_timeout)),
+                ("grpc.max_connection_idle_ms", _ms(connections.idle_timeout)),
                 ("grpc.max_receive_message_length", int(self._cfg.max_recv_msg_size)),
                 ("grpc.max_send_message_length", 4 * 1024 * 1024),
                 # A second serve on the same port must fail, not share the port unnoticed.
@@ -167,7 +178,14 @@ class OTLPGrpcReceiver:
             claim.take(reserved)
         except BudgetSpent as exc:
             await self._refuse(context, 0, exc, self._queue.retry_after_s)
-        body = await self._one_message(messages, context)
+        try:
+            body = await asyncio.wait_for(self._one_message(messages, context),
+                                          float(self._cfg.connections.body_timeout))
+        except TimeoutError:
+            self._refusals.refused("OTLP/gRPC export (DEADLINE_EXCEEDED)", "the request message did not arrive "
+                                   "within receivers.otlp.grpc.connections.body_timeout")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the request message did not arrive within the server's body_timeout")
         claim.give_back(max(0, reserved - len(body)))
         try:
             request = parse_protobuf(body)

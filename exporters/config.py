@@ -14,7 +14,7 @@ from typing import Literal
 from exporters.base import RetryPolicy
 from processor.configfmt import ByteSize, Duration, check_endpoint, check_url
 from processor.errors import Problem
-from processor.listener_config import AuthConfig, ConnectionLimits, TLSConfig, metrics_connections
+from processor.listener_config import AuthConfig, MetricsConnections, TLSConfig
 
 # An HTTP header name (RFC 9110 token); gRPC metadata keys are a lowercase subset of it.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -141,7 +141,7 @@ class PrometheusConfig:
     endpoint: str = ""
     tls: TLSConfig = field(default_factory=TLSConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
-    connections: ConnectionLimits = field(default_factory=metrics_connections)
+    connections: MetricsConnections = field(default_factory=MetricsConnections)
 
     def validate(self, path: str) -> list[Problem]:
         return check_endpoint(self.endpoint, _at(path, "endpoint"))

@@ -33,7 +33,7 @@ from processor.configfmt import (
 )
 from processor.convert.options import ConvertOptions, ToolKindRule
 from processor.errors import ConfigError, Problem
-from processor.listener_config import AuthConfig, ConnectionLimits, TLSConfig, view_connections
+from processor.listener_config import AuthConfig, ConnectionLimits, TLSConfig, ViewConnections
 
 if TYPE_CHECKING:
     from processor.evaluate.cel import CostLimits
@@ -359,7 +359,7 @@ class UiConfig:
     endpoint: str = ""
     tls: TLSConfig = field(default_factory=TLSConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
-    connections: ConnectionLimits = field(default_factory=view_connections)
+    connections: ViewConnections = field(default_factory=ViewConnections)
     trace_url: str = ""
     max_sessions: int = 100_000
     max_actions: int = 1_000_000

@@ -14,7 +14,8 @@ process's open files. Each connection here is always under one deadline:
 
 Past ``max_open`` connections on one listener, the oldest connection without a request
 in progress (in ``head`` or ``idle``) is closed for the new one, so that slow clients
-cannot keep a prompt one out; when every open connection has a request in progress,
+cannot keep a prompt one out; a connection is not closed for a newer one in its first
+second until its first bytes have been read. When no open connection can be closed,
 the new one is closed at once. Each kind of closing is logged at most once per interval.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -34,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 Phase = Literal["head", "body", "app", "idle"]
 _EVICTABLE: Final = ("head", "idle")
+# A new connection whose first bytes have not been read yet is not closed for a newer one
+# this long: when many connections are accepted at once, a prompt client among them must
+# have its request read before the later ones take its place.
+_FIRST_BYTES_GRACE_S: Final = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +65,8 @@ class ConnectionGuard:
     def admit(self, connection: GuardedH11Protocol) -> bool:
         """Make room for ``connection``; False when nothing can be closed for it (it is then closed)."""
         if len(self.open) >= self.limits.max_open:
-            oldest = next((c for c in self.open if c.phase in _EVICTABLE), None)
+            now = time.monotonic()
+            oldest = next((c for c in self.open if c.evictable(now)), None)
             if oldest is None:
                 self.note("max_open", f"{len(self.open)} connections are open, each with a request in progress; "
                                       "the new one was closed")
@@ -87,6 +94,14 @@ class GuardedH11Protocol(H11Protocol):
         self._guard = guard
         self.phase: Phase = "head"
         self._deadline: asyncio.TimerHandle | None = None
+        self._opened = time.monotonic()
+        self._heard = False
+
+    def evictable(self, now: float) -> bool:
+        """No request in progress, and not a new connection whose first bytes are still to be read."""
+        if self.phase == "idle":
+            return True
+        return self.phase == "head" and (self._heard or now - self._opened >= _FIRST_BYTES_GRACE_S)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
@@ -101,6 +116,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self._heard = True
         if self.phase == "idle":
             # The first bytes of a next request: its head has header_timeout from now.
             self._enter("head")

@@ -97,11 +97,15 @@ class ConnectionLimits:
 _SHORTEST = 0.1
 
 
-def view_connections() -> ConnectionLimits:
-    """The operator view: a few people and their browsers."""
-    return ConnectionLimits(max_open=128)
+@dataclass(slots=True)
+class ViewConnections(ConnectionLimits):
+    """The operator view's limits: a few people and their browsers."""
+
+    max_open: int = 128
 
 
-def metrics_connections() -> ConnectionLimits:
-    """The scrape endpoint: a few Prometheus servers, one connection each."""
-    return ConnectionLimits(max_open=32)
+@dataclass(slots=True)
+class MetricsConnections(ConnectionLimits):
+    """The scrape endpoint's limits: a few Prometheus servers, one connection each."""
+
+    max_open: int = 32

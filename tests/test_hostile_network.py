@@ -37,7 +37,7 @@ def _large_request(size: int) -> bytes:
 
 def _retry_delay_s(error: grpc.RpcError) -> float | None:
     """The RetryInfo delay the server attached, None without one."""
-    for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+    for key, value in error.trailing_metadata() or ():
         if key == "grpc-status-details-bin":
             status = status_pb2.Status.FromString(value)
             for detail in status.details:
@@ -75,11 +75,11 @@ def test_many_concurrent_large_grpc_calls_stay_inside_the_byte_budget(tmp_path: 
                         future.result()
                         done.add(n)
                     except grpc.RpcError as error:
-                        code = error.code()  # type: ignore[attr-defined]
+                        code = error.code()
                         assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED), (
-                            code, error.details())  # type: ignore[attr-defined]
+                            code, error.details())
                         hint = _retry_delay_s(error)
-                        assert hint is not None, f"{code} without RetryInfo: {error.details()}"  # type: ignore[attr-defined]
+                        assert hint is not None, f"{code} without RetryInfo: {error.details()}"
                         refusals[code.name] = refusals.get(code.name, 0) + 1
                         delay = max(delay, min(hint, 1.0))
                         pending.append(n)
@@ -140,8 +140,8 @@ def _threads(pid: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_every_http_listener_closes_slow_half_sent_and_idle_connections(tmp_path: Path) -> None:
-    """Half-sent heads, trickled bodies and idle connections are closed on every HTTP port, in bounded time."""
+def test_every_listener_closes_slow_half_sent_and_idle_connections(tmp_path: Path) -> None:
+    """Half-sent heads, trickled bodies and idle connections are closed on every port, in bounded time."""
     receivers = {"http": {"connections": dict(_SHORT_LIMITS)}, "grpc": {"connections": dict(_SHORT_LIMITS)}}
     with serve_process(tmp_path, receivers, extra=_short_limits()) as serve:
         threads_before = _threads(serve.proc.pid)
@@ -152,6 +152,9 @@ def test_every_http_listener_closes_slow_half_sent_and_idle_connections(tmp_path
             held += [(name, "nothing sent", _open(port, b"")) for _ in range(10)]
             body_head = _HALF_HEAD + b"Content-Length: 100000\r\n\r\n" + b"\x0a" * 10
             held += [(name, "trickled body", _open(port, body_head)) for _ in range(10)]
+        # gRPC: a connection that never finishes its HTTP/2 preface, and one that sends nothing.
+        held += [("grpc", "half-sent preface", _open(serve.grpc_port, b"PRI * HTTP/2.0\r\n")) for _ in range(10)]
+        held += [("grpc", "nothing sent", _open(serve.grpc_port, b"")) for _ in range(10)]
         threads_held = _threads(serve.proc.pid)
         # Header timeout 1 s, body and idle timeouts 2 s: all closed well inside 6 s.
         deadline = time.monotonic() + 6
@@ -189,11 +192,12 @@ def _hold_slow_connections(port: int, count: int) -> list[socket.socket]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("attacked", ["receiver", "view", "metrics"])
+@pytest.mark.parametrize("attacked", ["receiver", "view", "metrics", "grpc"])
 def test_health_and_export_answer_while_one_port_holds_1100_slow_connections(tmp_path: Path, attacked: str) -> None:
     """With 1,024 open files, 1,100 slow connections to one port leave health, export and /metrics answering."""
     with serve_process(tmp_path, nofile=1024) as serve:
-        port = {"receiver": serve.http_port, "view": serve.ui_port, "metrics": serve.metrics_port}[attacked]
+        port = {"receiver": serve.http_port, "view": serve.ui_port, "metrics": serve.metrics_port,
+                "grpc": serve.grpc_port}[attacked]
         held = _hold_slow_connections(port, 1100)
         try:
             time.sleep(1.0)  # serve accepts what it can

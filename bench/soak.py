@@ -50,6 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from bench import build
+from processor.open_files import raise_to_hard_limit
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 TOKEN: Final = "soak-token-0123456789"
@@ -248,6 +249,7 @@ class Soak:
     # -- clients -------------------------------------------------------------------------
 
     def run(self) -> SoakResult:
+        raise_to_hard_limit()  # the sieges' 1,100 connections need more than the common 1,024 descriptors here
         self.start()
         started = time.monotonic()
         threads = [threading.Thread(target=self._guard(self._valid_http, i), daemon=True)

@@ -19,6 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1 import common_pb2
 
+from processor.open_files import raise_to_hard_limit
 from tests.serve_process import serve_process
 from tests.serve_support import make_request
 
@@ -179,6 +180,7 @@ def _valid_export(session: str) -> bytes:
 
 def _hold_slow_connections(port: int, count: int) -> list[socket.socket]:
     """``count`` connections sending a request head slowly; refused or closed ones are simply dropped."""
+    raise_to_hard_limit()  # this process needs more than the common 1,024 descriptors for them
     held = []
     for _ in range(count):
         try:

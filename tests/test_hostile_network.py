@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import resource
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -237,3 +239,41 @@ def test_serve_raises_its_open_file_limit_and_reports_it(tmp_path: Path) -> None
     assert "durable_check_open_files_limit 2048.0" in metrics
     assert any(line.startswith("Max open files") and line.split()[3] == "2048" for line in limit.splitlines())
     assert "open files: soft limit raised from 512 to 2048" in serve.log_text()
+
+
+def test_a_grpc_call_holds_its_bytes_until_its_message_arrives_and_no_longer_than_body_timeout(
+    tmp_path: Path,
+) -> None:
+    """A call whose message never comes holds max_recv_msg_size of the budget for body_timeout, then is cut."""
+    receivers = {"max_bytes_in_flight": "1MiB",
+                 "grpc": {"max_recv_msg_size": "1MiB", "connections": {"body_timeout": "1500ms"}}}
+    small = _valid_export("s-after-stall")
+    with serve_process(tmp_path, receivers) as serve, \
+            grpc.insecure_channel(f"127.0.0.1:{serve.grpc_port}") as channel:
+        stalled_export = channel.stream_unary(EXPORT, request_serializer=None, response_deserializer=None)
+        export = channel.unary_unary(EXPORT, request_serializer=None, response_deserializer=None)
+        released = threading.Event()
+
+        def never_sends() -> Iterator[bytes]:
+            released.wait(20)
+            return
+            yield b""  # a generator that sends nothing until the test ends
+
+        started = time.monotonic()
+        stalled = stalled_export.future(never_sends(), timeout=20)
+        try:
+            # While it waits for its message, the stalled call holds the whole budget: a second call is refused.
+            time.sleep(0.3)
+            with pytest.raises(grpc.RpcError) as refused:
+                export(small, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert _retry_delay_s(refused.value) is not None
+            with pytest.raises(grpc.RpcError) as cut:
+                stalled.result(timeout=10)
+            assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert 1.2 < time.monotonic() - started < 6
+        finally:
+            released.set()
+        # Its bytes were given back: the next call goes through.
+        export(small, timeout=5)
+    assert "Traceback" not in serve.log_text()

@@ -103,8 +103,8 @@ class EmbeddedHttpServer:
             options = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
             if tls.client_ca_file:
                 options.update(ssl_ca_certs=tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        self.guard = ConnectionGuard(what, guard_limits(connections))
-        protocol: Any = functools.partial(GuardedH11Protocol, guard=self.guard)
+        guard = ConnectionGuard(what, guard_limits(connections))
+        protocol: Any = functools.partial(GuardedH11Protocol, guard=guard)
         self._server = _EmbeddedUvicorn(uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", server_header=False,
             timeout_graceful_shutdown=int(graceful_s), http=protocol,

@@ -58,8 +58,6 @@ class ConnectionGuard:
         self.limits = limits
         # Insertion order is age order: the first evictable one is the oldest.
         self.open: dict[GuardedH11Protocol, None] = {}
-        self.closed_slow = 0
-        self.closed_for_room = 0
         self._refusals = RefusalLog(logger)
 
     def admit(self, connection: GuardedH11Protocol) -> bool:
@@ -71,7 +69,6 @@ class ConnectionGuard:
                 self.note("max_open", f"{len(self.open)} connections are open, each with a request in progress; "
                                       "the new one was closed")
                 return False
-            self.closed_for_room += 1
             self.note("max_open", f"{len(self.open)} connections are open; the oldest one without a request "
                                   "in progress was closed for a new one")
             oldest.close()
@@ -163,7 +160,6 @@ class GuardedH11Protocol(H11Protocol):
         if phase != self.phase or self.transport.is_closing():
             return
         if phase != "idle":
-            self._guard.closed_slow += 1
             what = "request head" if phase == "head" else "request body"
             limit = "header_timeout" if phase == "head" else "body_timeout"
             seconds = self._guard.limits.header_timeout_s if phase == "head" else self._guard.limits.body_timeout_s

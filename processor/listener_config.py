@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Final
 
 from processor.configfmt import Duration
 from processor.errors import Problem
 
-_1S = Duration(1.0)
 _10S = Duration(10.0)
 _15S = Duration(15.0)
 _30S = Duration(30.0)
+# The shortest timeout a listener takes: below it every real client would be cut.
+_SHORTEST: Final = 0.1
 
 
 @dataclass(slots=True)
@@ -92,9 +94,6 @@ class ConnectionLimits:
             if getattr(self, name) < _SHORTEST:
                 problems.append(Problem(f"{path}.{name}", "must be at least 100ms"))
         return problems
-
-
-_SHORTEST = 0.1
 
 
 @dataclass(slots=True)

@@ -116,7 +116,7 @@ class PrometheusExporter:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         if self._loop.is_closed():
             return
-        stopping = asyncio.run_coroutine_threadsafe(self._server.stop(timeout_s, graceful_s=0), self._loop)
+        stopping = asyncio.run_coroutine_threadsafe(self._server.stop(timeout_s), self._loop)
         try:
             stopping.result(timeout_s + 1.0)
         except (TimeoutError, asyncio.CancelledError):

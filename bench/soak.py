@@ -8,7 +8,12 @@ every span gives exactly one DS002 violation, so what serve evaluated can be cou
 against what the clients were told was accepted. Hostile clients, meanwhile, send
 gzip and zstd bombs, requests over the span limit, requests that raise violations
 past the caps, garbage, wrong tokens, bodies cut off mid-way and bodies trickled
-slowly. A prober checks ``/healthz`` and gRPC health throughout.
+slowly. A second hostile client lays siege in turn to every port (the HTTP and gRPC
+receivers, the operator view, ``/metrics``) with 1,100 connections that never finish a
+request, serve running under an open-file limit of 1,024, and sends bursts of 48
+concurrent 15 MiB gRPC calls, retried as their RetryInfo says until each gets through.
+A prober checks ``/healthz``, gRPC health, the view's ``/healthz`` and ``/metrics``
+(over the bearer token) throughout.
 
 It reports, and ``tests/test_soak.py`` asserts: every acknowledged span was evaluated
 (its violation is in the JSONL output after a graceful stop), health never failed,
@@ -22,6 +27,7 @@ import argparse
 import gzip
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -39,15 +45,25 @@ import httpx
 import orjson
 import yaml
 from backports.zstd import compress as zstd_compress
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from bench import build
+from processor.open_files import raise_to_hard_limit
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 TOKEN: Final = "soak-token-0123456789"
 PROTOBUF: Final = {"Content-Type": "application/x-protobuf"}
 SPANS_PER_REQUEST_LIMIT: Final = 2000
+# serve's open-file limit in the soak (soft and hard): the common default, which 1,100 connections pass.
+OPEN_FILES: Final = 1024
+SIEGE_CONNECTIONS: Final = 1100
+# Every listener's header timeout in the soak: a siege is over within it and a little more.
+HEADER_TIMEOUT_S: Final = 2.0
+LARGE_CALLS: Final = 48
+LARGE_CALL_BYTES: Final = 15 << 20
+_EXPORT: Final = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 _BASE_NS: Final = 1_793_524_440_000_000_000
 
 
@@ -62,6 +78,26 @@ def vm_hwm_kib(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     return 0
+
+
+def padded_request(size: int) -> bytes:
+    """A valid request of about ``size`` bytes without a span: one resource attribute carries it."""
+    request = trace_service_pb2.ExportTraceServiceRequest()
+    attribute = request.resource_spans.add().resource.attributes.add()
+    attribute.key, attribute.value.string_value = "padding", "x" * size
+    return request.SerializeToString()
+
+
+def retry_delay_s(error: grpc.RpcError) -> float | None:
+    """The RetryInfo delay a gRPC refusal carries, None without one."""
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            for detail in status_pb2.Status.FromString(value).details:
+                if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    info = error_details_pb2.RetryInfo()
+                    detail.Unpack(info)
+                    return float(info.retry_delay.ToTimedelta().total_seconds())
+    return None
 
 
 def payment_request(session: str, actions: list[str]) -> trace_service_pb2.ExportTraceServiceRequest:
@@ -94,6 +130,7 @@ class SoakResult:
     unexpected: list[str] = field(default_factory=list)
     health_failures: list[str] = field(default_factory=list)
     health_probes: int = 0
+    health_second_tries: int = 0  # HTTP probes answered on their second try
     peak_rss_kib: int = 0
     exit_code: int | None = None
     tracebacks: int = 0  # in serve's whole log
@@ -113,11 +150,16 @@ class SoakResult:
             "hostile": dict(sorted(self.hostile.items())),
             "unexpected": self.unexpected[:10],
             "health_probes": self.health_probes,
+            "health_answered_on_second_try": self.health_second_tries,
             "health_failures": self.health_failures[:10],
             "peak_rss_mib": round(self.peak_rss_kib / 1024, 1),
             "exit_code": self.exit_code,
             "tracebacks_in_log": self.tracebacks,
         }
+
+
+def _lower_open_files() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))
 
 
 class Soak:
@@ -127,6 +169,8 @@ class Soak:
         self.valid_senders = valid_senders
         self.grpc_port = free_port()
         self.http_port = free_port()
+        self.ui_port = free_port()
+        self.metrics_port = free_port()
         self.jsonl = workdir / "violations.jsonl"
         self.result = SoakResult(seconds)
         self._lock = threading.Lock()
@@ -135,17 +179,24 @@ class Soak:
 
     def config(self) -> dict[str, Any]:
         auth = {"bearer_token": TOKEN}
+
+        def limits() -> dict[str, str]:
+            return {"header_timeout": f"{HEADER_TIMEOUT_S:g}s"}
+
         return {
             "receivers": {"otlp": {
-                "grpc": {"endpoint": f"127.0.0.1:{self.grpc_port}", "auth": auth},
+                "grpc": {"endpoint": f"127.0.0.1:{self.grpc_port}", "auth": auth, "connections": limits()},
                 "http": {"endpoint": f"127.0.0.1:{self.http_port}", "auth": dict(auth),
-                         "max_request_body_size": "4MiB"},
+                         "max_request_body_size": "4MiB", "connections": limits()},
                 "max_spans_per_request": SPANS_PER_REQUEST_LIMIT,
                 "max_bytes_in_flight": "32MiB",
             }},
             "evaluate": {"tick_interval": "100ms", "allowed_lateness": "500ms"},
             "state": {"backend": "sqlite", "path": str(self.workdir / "state.db")},
-            "exporters": {"jsonl": {"path": str(self.jsonl)}},
+            "ui": {"endpoint": f"127.0.0.1:{self.ui_port}", "auth": dict(auth), "connections": limits()},
+            "exporters": {"jsonl": {"path": str(self.jsonl)},
+                          "prometheus": {"endpoint": f"127.0.0.1:{self.metrics_port}", "auth": dict(auth),
+                                         "connections": limits()}},
         }
 
     # -- the server ----------------------------------------------------------------------
@@ -158,6 +209,7 @@ class Soak:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "processor.cli", "serve", "--config", str(config)],
             cwd=self.workdir, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            preexec_fn=_lower_open_files,  # noqa: PLW1509 - one setrlimit call, before any client thread starts
         )
         log.close()
         deadline = time.monotonic() + 30
@@ -197,12 +249,14 @@ class Soak:
     # -- clients -------------------------------------------------------------------------
 
     def run(self) -> SoakResult:
+        raise_to_hard_limit()  # the sieges' 1,100 connections need more than the common 1,024 descriptors here
         self.start()
         started = time.monotonic()
         threads = [threading.Thread(target=self._guard(self._valid_http, i), daemon=True)
                    for i in range(self.valid_senders)]
         threads.append(threading.Thread(target=self._guard(self._valid_grpc, 0), daemon=True))
         threads.append(threading.Thread(target=self._guard(self._hostile, 0), daemon=True))
+        threads.append(threading.Thread(target=self._guard(self._siege, 0), daemon=True))
         threads.append(threading.Thread(target=self._guard(self._probe_health, 0), daemon=True))
         try:
             for thread in threads:
@@ -353,23 +407,105 @@ class Soak:
                 time.sleep(0.1)
         return "closed"
 
+    def _siege(self, index: int) -> None:
+        """Rounds of: 1,100 slow connections to each port in turn, then a burst of large concurrent gRPC calls."""
+        ports = [("HTTP receiver", self.http_port), ("gRPC receiver", self.grpc_port),
+                 ("operator view", self.ui_port), ("metrics", self.metrics_port)]
+        body = padded_request(LARGE_CALL_BYTES)
+        while not self._stop.is_set():
+            for name, port in ports:
+                if self._stop.is_set():
+                    return
+                answer = self._slow_connections(port)
+                with self._lock:
+                    self.result.hostile[f"{SIEGE_CONNECTIONS:,} slow connections ({name}) -> {answer}"] += 1
+            answer = self._large_calls(body)
+            if answer is None:
+                return
+            with self._lock:
+                self.result.hostile[f"{LARGE_CALLS} concurrent 15 MiB gRPC calls -> {answer}"] += 1
+
+    def _slow_connections(self, port: int) -> str:
+        """Connections sending half a request head; "closed" once serve has closed every one of them."""
+        held: list[socket.socket] = []
+        try:
+            for _ in range(SIEGE_CONNECTIONS):
+                if self._stop.is_set():
+                    break
+                try:
+                    conn = socket.create_connection(("127.0.0.1", port), timeout=1)
+                    conn.sendall(b"GET /healthz HTTP/1.1\r\n")
+                    conn.setblocking(False)
+                    held.append(conn)
+                except OSError:
+                    continue  # refused or closed at once: that is serve shedding it
+            deadline = time.monotonic() + HEADER_TIMEOUT_S + 3.0
+            open_ = list(held)
+            while open_ and time.monotonic() < deadline:
+                open_ = [conn for conn in open_ if not _closed_by_peer(conn)]
+                time.sleep(0.2)
+            return "closed" if not open_ else f"{len(open_)} still open"
+        finally:
+            for conn in held:
+                conn.close()
+
+    def _large_calls(self, body: bytes) -> str | None:
+        """Concurrent large calls, each retried after its RetryInfo delay; "all through" once each is accepted.
+
+        None when the soak ended before they were all through (the burst tells nothing then).
+        """
+        metadata = (("authorization", f"Bearer {TOKEN}"),)
+        options = [("grpc.max_send_message_length", 32 << 20), ("grpc.enable_retries", 0)]
+        channels = [grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}", options=options) for _ in range(8)]
+        try:
+            calls = [c.unary_unary(_EXPORT, request_serializer=None, response_deserializer=None) for c in channels]
+            pending = list(range(LARGE_CALLS))
+            deadline = time.monotonic() + 120
+            while pending and not self._stop.is_set() and time.monotonic() < deadline:
+                futures = {n: calls[n % len(calls)].future(body, metadata=metadata, timeout=60) for n in pending}
+                pending, delay = [], 0.0
+                for n, future in futures.items():
+                    try:
+                        future.result()
+                    except grpc.RpcError as exc:
+                        hint = retry_delay_s(exc)
+                        if hint is None:
+                            return f"{exc.code().name} without RetryInfo"
+                        pending.append(n)
+                        delay = max(delay, min(hint, 1.0))
+                self._stop.wait(delay)
+            if pending and self._stop.is_set():
+                return None
+            return "all through" if not pending else f"{len(pending)} not through"
+        finally:
+            for channel in channels:
+                channel.close()
+
     def _probe_health(self, index: int) -> None:
+        """Every half second: /healthz, gRPC health, the view's /healthz and /metrics (with the token).
+
+        An HTTP probe may try twice, a quarter of a second apart: a connection that arrives
+        amid a burst of new ones past a listener's cap can be closed at once (docs/security.md).
+        """
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        probes = [(f"http://127.0.0.1:{self.http_port}/healthz", {}),
+                  (f"http://127.0.0.1:{self.ui_port}/healthz", auth),
+                  (f"http://127.0.0.1:{self.metrics_port}/metrics", auth)]
         with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while not self._stop.is_set():
-                problem = ""
+                answers = [_probe(url, headers) for url, headers in probes]
+                problems = [problem for problem, _ in answers if problem]
                 try:
-                    if httpx.get(f"http://127.0.0.1:{self.http_port}/healthz", timeout=5).status_code != 200:
-                        problem = "healthz not 200"
                     status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
                     if status != health_pb2.HealthCheckResponse.SERVING:
-                        problem = f"gRPC health {status}"
-                except (httpx.HTTPError, grpc.RpcError) as exc:
-                    problem = f"probe failed: {type(exc).__name__}"
+                        problems.append(f"gRPC health {status}")
+                except grpc.RpcError as exc:
+                    problems.append(f"gRPC health probe failed: {exc.code().name}")
                 with self._lock:
                     self.result.health_probes += 1
-                    if problem:
-                        self.result.health_failures.append(problem)
+                    self.result.health_second_tries += sum(tries == 2 for problem, tries in answers if not problem)
+                    self.result.health_failures.extend(problems)
                 self._stop.wait(0.5)
 
     def _evaluated(self) -> set[tuple[str, str]]:
@@ -384,6 +520,33 @@ class Soak:
                     if document.get("rule") == "DS002":
                         found.add((document["session_id"], document["action_id"]))
         return found
+
+
+def _probe(url: str, headers: dict[str, str]) -> tuple[str, int]:
+    """("", tries) when ``url`` answers 200 within two tries; else (what went wrong, 2)."""
+    problem = ""
+    for tries in (1, 2):
+        try:
+            status = httpx.get(url, headers=headers, timeout=5).status_code
+            if status == 200:
+                return "", tries
+            problem = f"{url} answered {status}"
+        except httpx.HTTPError as exc:
+            problem = f"probe of {url} failed: {type(exc).__name__}"
+        time.sleep(0.25)
+    return problem, 2
+
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    """True once serve has closed ``conn`` (end of stream or reset); ``conn`` is non-blocking."""
+    try:
+        while chunk := conn.recv(65536):
+            del chunk  # whatever serve answered before closing
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:

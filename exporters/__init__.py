@@ -62,7 +62,7 @@ def build_exporters(cfg: ExportersConfig, telemetry: Telemetry) -> list[Exporter
         if cfg.otlp.endpoint:
             exporters.append(OtlpSpanExporter(cfg.otlp, telemetry))
         if cfg.prometheus.endpoint:
-            exporters.append(PrometheusExporter(cfg.prometheus.endpoint, telemetry))
+            exporters.append(PrometheusExporter(cfg.prometheus, telemetry))
         if cfg.otlp_metrics.endpoint:
             exporters.append(OtlpMetricsExporter(cfg.otlp_metrics, telemetry))
         if cfg.alertmanager.url:

@@ -14,6 +14,7 @@ from typing import Literal
 from exporters.base import RetryPolicy
 from processor.configfmt import ByteSize, Duration, check_endpoint, check_url
 from processor.errors import Problem
+from processor.listener_config import AuthConfig, MetricsConnections, TLSConfig
 
 # An HTTP header name (RFC 9110 token); gRPC metadata keys are a lowercase subset of it.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -135,9 +136,12 @@ def _check_otlp_endpoint(endpoint: str, protocol: str, path: str) -> list[Proble
 
 @dataclass(slots=True)
 class PrometheusConfig:
-    """Scrape endpoint: host:port serving ``/metrics``."""
+    """Scrape endpoint: host:port serving ``/metrics``, with the same TLS, auth and limits as the other listeners."""
 
     endpoint: str = ""
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    connections: MetricsConnections = field(default_factory=MetricsConnections)
 
     def validate(self, path: str) -> list[Problem]:
         return check_endpoint(self.endpoint, _at(path, "endpoint"))

@@ -3,21 +3,24 @@
 It serves the pipeline's own registry (``Telemetry.registry``); the pipeline updates
 the metrics, this exporter only exposes them. ``/`` answers with a pointer to
 ``/metrics``; any other path is a 404, so a mistyped scrape path fails visibly.
+
+It is served like serve's other listeners (:mod:`processor.embedded_http`): the same
+TLS and bearer-token settings, the same connection cap and timeouts. It runs on its own
+event loop in its own thread, so a scrape never waits for the receivers, nor they for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any, Final
 
-from prometheus_client import make_wsgi_app
+import orjson
+from prometheus_client import make_asgi_app
 
-from exporters.base import describe_error
+from exporters.config import PrometheusConfig
 from processor.errors import ConfigError, Problem
 from processor.records import Action
 from processor.telemetry import Telemetry
@@ -25,25 +28,44 @@ from processor.violations import Violation
 
 log = logging.getLogger("durable_check.exporters")
 
-StartResponse = Callable[..., Any]
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+_START_TIMEOUT_S: Final = 30.0
+_TEXT: Final = [(b"content-type", b"text/plain; charset=utf-8")]
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes every few seconds would flood the log."""
+async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers or _TEXT})
+    await send({"type": "http.response.body", "body": body})
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+def scrape_app(telemetry: Telemetry, token: str | None) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``/metrics`` from the registry, behind the bearer token when one is set."""
+    from processor.receive.otlp_common import bearer_token_ok
 
+    metrics = make_asgi_app(telemetry.registry)
 
-class _Server6(_ThreadingServer):
-    address_family = socket.AF_INET6
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if token:
+            authorization = next((value.decode("latin-1") for name, value in scope["headers"]
+                                  if name == b"authorization"), None)
+            if not bearer_token_ok(token, authorization):
+                body = orjson.dumps({"error": "missing or wrong bearer token"})
+                await _answer(send, 401, body, [(b"content-type", b"application/json"),
+                                                (b"www-authenticate", b"Bearer")])
+                return
+        path = scope["path"]
+        if path == "/metrics":
+            await metrics(scope, receive, send)
+        elif path == "/":
+            await _answer(send, 200, b"durable-check: metrics at /metrics\n")
+        else:
+            await _answer(send, 404, b"not found; metrics are at /metrics\n")
 
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    return host.strip("[]"), int(port)
+    return app
 
 
 class PrometheusExporter:
@@ -52,35 +74,35 @@ class PrometheusExporter:
     name = "prometheus"
     wants_actions = False
 
-    def __init__(self, endpoint: str, telemetry: Telemetry) -> None:
-        host, port = split_endpoint(endpoint)
-        metrics_app = make_wsgi_app(telemetry.registry)
+    def __init__(self, cfg: PrometheusConfig, telemetry: Telemetry) -> None:
+        # Here, not at the top: every command imports the exporters' package, only serve serves.
+        from processor.embedded_http import EmbeddedHttpServer, quiet_accept_errors
 
-        def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-            path = environ.get("PATH_INFO", "")
-            if path == "/metrics":
-                result: Iterable[bytes] = metrics_app(environ, start_response)
-                return result
-            if path == "/":
-                start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
-                return [b"durable-check: metrics at /metrics\n"]
-            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-            return [b"not found; metrics are at /metrics\n"]
-
-        server_class = _Server6 if ":" in host else _ThreadingServer
         try:
-            self._server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+            self._server = EmbeddedHttpServer(
+                scrape_app(telemetry, cfg.auth.bearer_token), cfg.endpoint, cfg.tls, what="the metrics endpoint",
+                where="exporters.prometheus.endpoint", backlog=128, graceful_s=1, connections=cfg.connections,
+            )
         except OSError as exc:
-            raise ConfigError([Problem("exporters.prometheus.endpoint",
-                                       f"cannot listen on {endpoint}: {describe_error(exc)}")]) from exc
-        self._thread = threading.Thread(target=self._server.serve_forever, name="exporter-prometheus", daemon=True)
+            raise ConfigError([Problem("exporters.prometheus.endpoint", str(exc).split(": ", 1)[-1])]) from None
+        self._loop = asyncio.new_event_loop()
+        quiet_accept_errors(self._loop)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="exporter-prometheus", daemon=True)
         self._thread.start()
-        log.info("exporter prometheus: serving /metrics on %s:%d", host, self.port)
+        try:
+            asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(_START_TIMEOUT_S)
+        except BaseException:
+            self._close_loop(1.0)
+            raise
+        scheme = "https" if cfg.tls.enabled else "http"
+        log.info("exporter prometheus: serving %s://%s:%d/metrics (TLS %s, bearer-token auth %s)", scheme,
+                 cfg.endpoint.rpartition(":")[0], self.port, "on" if cfg.tls.enabled else "off",
+                 "on" if cfg.auth.bearer_token else "off")
 
     @property
     def port(self) -> int:
         """The bound port (useful when the endpoint asked for port 0)."""
-        return int(self._server.server_address[1])
+        return self._server.port
 
     def export(self, violations: Sequence[Violation]) -> None:
         """The pipeline counts violations in the registry; nothing to send."""
@@ -92,6 +114,17 @@ class PrometheusExporter:
         """Actions are counted by the pipeline."""
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        if self._loop.is_closed():
+            return
+        stopping = asyncio.run_coroutine_threadsafe(self._server.stop(timeout_s), self._loop)
+        try:
+            stopping.result(timeout_s + 1.0)
+        except (TimeoutError, asyncio.CancelledError):
+            log.warning("exporter prometheus: the endpoint did not stop within %.0fs", timeout_s)
+        self._close_loop(timeout_s)
+
+    def _close_loop(self, timeout_s: float) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -56,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from processor.open_files import raise_to_hard_limit
+
+    # Before any listener starts: each keeps at most its share of the limit in connections.
+    before, after = raise_to_hard_limit()
+    if after > before:
+        logging.getLogger("processor.serve").info("open files: soft limit raised from %d to %d", before, after)
+    else:
+        logging.getLogger("processor.serve").info("open files: soft limit %d", after)
     telemetry = Telemetry()
     store = build_store(config)  # StateError (locked, corrupt, unwritable): a message, exit 2
     pipeline = build_pipeline(config, telemetry, store)

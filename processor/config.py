@@ -33,6 +33,7 @@ from processor.configfmt import (
 )
 from processor.convert.options import ConvertOptions, ToolKindRule
 from processor.errors import ConfigError, Problem
+from processor.listener_config import AuthConfig, ConnectionLimits, TLSConfig, ViewConnections
 
 if TYPE_CHECKING:
     from processor.evaluate.cel import CostLimits
@@ -61,61 +62,13 @@ _120S = Duration(120.0)
 
 
 @dataclass(slots=True)
-class TLSConfig:
-    """Server-side TLS: a certificate and key; with ``client_ca_file``, clients must present a certificate (mTLS)."""
-
-    cert_file: str = ""
-    key_file: str = ""
-    client_ca_file: str = ""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.cert_file)
-
-    def validate(self, path: str) -> list[Problem]:
-        problems: list[Problem] = []
-        if bool(self.cert_file) != bool(self.key_file):
-            missing = "key_file" if self.cert_file else "cert_file"
-            problems.append(Problem(f"{path}.{missing}", "cert_file and key_file go together; set both or neither"))
-        if self.client_ca_file and not self.cert_file:
-            problems.append(
-                Problem(f"{path}.client_ca_file", "client certificates need server TLS: set cert_file and key_file")
-            )
-        for name in ("cert_file", "key_file", "client_ca_file"):
-            value = getattr(self, name)
-            if value and not os.path.isfile(value):
-                problems.append(Problem(f"{path}.{name}", f"file not found: {value}"))
-        return problems
-
-
-@dataclass(slots=True)
-class AuthConfig:
-    """A shared bearer token; clients send ``authorization: Bearer <token>``. Absent or null: no check.
-
-    An empty string is refused rather than read as "off": it is what ``${env:VAR}``
-    gives when VAR is set but empty, and serving without auth by accident is worse
-    than not starting.
-    """
-
-    bearer_token: str | None = None
-
-    def validate(self, path: str) -> list[Problem]:
-        token = self.bearer_token
-        if token == "":
-            return [Problem(f"{path}.bearer_token", "is empty (an empty ${env:...} value?); "
-                            "remove the key or set it to null to turn auth off")]
-        if token and (token != token.strip() or any(c in token for c in "\r\n")):
-            return [Problem(f"{path}.bearer_token", "must not contain spaces at either end or line breaks")]
-        return []
-
-
-@dataclass(slots=True)
 class GrpcReceiverConfig:
     endpoint: str = "127.0.0.1:4317"
     # gRPC answers RESOURCE_EXHAUSTED above this (grpc's own max_receive_message_length).
     max_recv_msg_size: ByteSize = _16MiB
     tls: TLSConfig = field(default_factory=TLSConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def validate(self, path: str) -> list[Problem]:
         problems = check_endpoint(self.endpoint, f"{path}.endpoint")
@@ -131,6 +84,7 @@ class HttpReceiverConfig:
     max_request_body_size: ByteSize = _16MiB
     tls: TLSConfig = field(default_factory=TLSConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def validate(self, path: str) -> list[Problem]:
         problems = check_endpoint(self.endpoint, f"{path}.endpoint")
@@ -405,6 +359,7 @@ class UiConfig:
     endpoint: str = ""
     tls: TLSConfig = field(default_factory=TLSConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    connections: ViewConnections = field(default_factory=ViewConnections)
     trace_url: str = ""
     max_sessions: int = 100_000
     max_actions: int = 1_000_000

@@ -1,9 +1,17 @@
-"""serve's HTTP listeners (the OTLP/HTTP receiver and the operator view): uvicorn inside serve's loop."""
+"""serve's HTTP listeners (the OTLP/HTTP receiver, the operator view, /metrics): uvicorn inside serve's loop.
+
+Every listener runs uvicorn's h11 protocol under :mod:`processor.http_guard`: a cap on
+open connections (its setting, or its share of the open-file limit) and a deadline for
+each phase of a request.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
+import logging
 import socket
 import ssl
 import time
@@ -12,7 +20,12 @@ from typing import Any, Final
 
 import uvicorn
 
-from processor.config import TLSConfig
+from processor.http_guard import ConnectionGuard, GuardedH11Protocol, GuardLimits
+from processor.listener_config import ConnectionLimits, TLSConfig
+from processor.open_files import listener_share
+from processor.receive.otlp_common import RefusalLog
+
+logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S: Final = 30.0
 
@@ -35,6 +48,34 @@ def bind_listener(endpoint: str, where: str, backlog: int) -> socket.socket:
     return sock
 
 
+# What accept() says when the process (or the system) is out of descriptors or buffers.
+_OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def guard_limits(limits: ConnectionLimits) -> GuardLimits:
+    """A listener's limits as its guard applies them: ``max_open`` within its share of the open files."""
+    return GuardLimits(max_open=listener_share(limits.max_open), header_timeout_s=float(limits.header_timeout),
+                       body_timeout_s=float(limits.body_timeout), idle_timeout_s=float(limits.idle_timeout))
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """Log a listener's failed accept (out of descriptors) once per interval, without a traceback.
+
+    asyncio pauses the listener for a second and reports each failure through the loop's
+    exception handler, which would log a full traceback every time.
+    """
+    refusals = RefusalLog(logger)
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _OUT_OF_RESOURCES and "socket" in context:
+            refusals.refused("a new connection (accept)", f"{exc.strerror or exc}; the listener pauses for 1s")
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside serve's loop: signals are serve's to handle, not uvicorn's."""
 
@@ -51,7 +92,7 @@ class EmbeddedHttpServer:
     """
 
     def __init__(self, app: Any, endpoint: str, tls: TLSConfig, *, what: str, where: str, backlog: int,
-                 graceful_s: float) -> None:
+                 graceful_s: float, connections: ConnectionLimits) -> None:
         self._what = what
         self._endpoint = endpoint
         sock = bind_listener(endpoint, where, backlog)
@@ -62,9 +103,13 @@ class EmbeddedHttpServer:
             options = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
             if tls.client_ca_file:
                 options.update(ssl_ca_certs=tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        guard = ConnectionGuard(what, guard_limits(connections))
+        protocol: Any = functools.partial(GuardedH11Protocol, guard=guard)
         self._server = _EmbeddedUvicorn(uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", server_header=False,
-            timeout_graceful_shutdown=int(graceful_s), **options,
+            timeout_graceful_shutdown=int(graceful_s), http=protocol,
+            # The guard closes idle connections; uvicorn's own keep-alive timer must not come first.
+            timeout_keep_alive=int(connections.idle_timeout) + 1, **options,
         ))
         self._task: asyncio.Task[None] | None = None
 

@@ -29,9 +29,11 @@ import threading
 import time
 from typing import Final
 
-from processor.config import AuthConfig, Config, TLSConfig
+from processor.config import Config
 from processor.convert.spans import SpanConverter
-from processor.embedded_http import EmbeddedHttpServer
+from processor.embedded_http import EmbeddedHttpServer, quiet_accept_errors
+from processor.listener_config import AuthConfig, TLSConfig
+from processor.open_files import soft_limit
 from processor.operate.server import UiServer, attach_views
 from processor.pipeline import Pipeline
 from processor.receive.budget import ByteBudget
@@ -124,6 +126,7 @@ class Server:
         self.store = store
         self.telemetry = telemetry
         self.pipeline = pipeline
+        telemetry.open_files_limit.set(soft_limit())
         q = config.queue
         self.queue = IngestQueue(q.max_requests, q.max_spans, float(q.retry_after), telemetry)
         # Request bytes both receivers hold at once (processor.receive.budget).
@@ -178,6 +181,7 @@ class Server:
     async def start(self) -> None:
         """Start the worker, the forwarder and both receivers; OSError if an endpoint cannot be bound."""
         self.loop = asyncio.get_running_loop()
+        quiet_accept_errors(self.loop)
         if self.forwarder is not None:
             self.forwarder.start()
         self.worker.start()
@@ -210,7 +214,7 @@ class Server:
                         alive=self.worker.alive)
         self._http = EmbeddedHttpServer(app, cfg.endpoint, cfg.tls, what="the HTTP receiver",
                                         where="receivers.otlp.http.endpoint", backlog=1024,
-                                        graceful_s=_RECEIVER_GRACE_S)
+                                        graceful_s=_RECEIVER_GRACE_S, connections=cfg.connections)
         self.http_port = self._http.port
         await self._http.start()
 

@@ -64,6 +64,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Spans that arrived behind the watermark (later than the allowed lateness)."),
     MetricSpec("queue_depth", "durable_check_queue_depth", "gauge",
                "Requests waiting between the receivers and the evaluator."),
+    MetricSpec("open_files_limit", "durable_check_open_files_limit", "gauge",
+               "The process's open-file limit after serve raised it to the hard limit at start; each listener "
+               "keeps at most its share of it in connections."),
     MetricSpec("evaluation_seconds", "durable_check_evaluation_seconds", "histogram",
                "Time to evaluate one batch of records."),
     MetricSpec("exporter_sent", "durable_check_exporter_sent", "counter",
@@ -126,6 +129,7 @@ class Telemetry:
     spans_duplicate: Counter
     spans_late: Counter
     queue_depth: Gauge
+    open_files_limit: Gauge
     evaluation_seconds: Histogram
     exporter_sent: Counter
     exporter_failures: Counter

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -117,13 +117,20 @@ def _serving(name: str, binary: str, workdir: Path, config: dict[str, Any], flag
 
 
 @contextmanager
-def prometheus_server(workdir: Path, targets: list[str], rule_files: list[Path]) -> Iterator[_Process]:
-    """Prometheus scraping ``targets`` every second and evaluating ``rule_files`` every second."""
+def prometheus_server(workdir: Path, targets: list[str], rule_files: list[Path],
+                      jobs: Mapping[str, Mapping[str, Any]] | None = None) -> Iterator[_Process]:
+    """Prometheus scraping ``targets`` every second and evaluating ``rule_files`` every second.
+
+    ``jobs``: more scrape jobs by name, each a scrape config (``scheme``, ``authorization``, ``tls_config``,
+    ``static_configs``...).
+    """
     binary = require_binary("prometheus")
+    scrape_configs: list[dict[str, Any]] = [{"job_name": "durable-check", "static_configs": [{"targets": targets}]}]
+    scrape_configs += [{"job_name": name, **job} for name, job in (jobs or {}).items()]
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": "durable-check", "static_configs": [{"targets": targets}]}],
+        "scrape_configs": scrape_configs,
     }
     with _serving("prometheus", binary, workdir, config, [f"--storage.tsdb.path={workdir / 'data'}"]) as proc:
         yield proc

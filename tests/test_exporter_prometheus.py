@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import pytest
 
 from exporters import ExportersConfig, PrometheusConfig, PrometheusExporter, build_exporters
 from processor.errors import ConfigError
+from processor.listener_config import AuthConfig, TLSConfig
 from processor.telemetry import METRICS, Telemetry, render_markdown
+from tests.pki_support import make_pki
 from tests.servers import LOCALHOST, prometheus_server, query, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +27,7 @@ def telemetry() -> Telemetry:
 
 @pytest.fixture
 def endpoint(telemetry: Telemetry) -> Iterator[PrometheusExporter]:
-    exporter = PrometheusExporter(f"{LOCALHOST}:0", telemetry)
+    exporter = PrometheusExporter(PrometheusConfig(endpoint=f"{LOCALHOST}:0"), telemetry)
     yield exporter
     exporter.shutdown()
 
@@ -94,3 +97,49 @@ def test_prometheus_scrapes_the_endpoint(tmp_path: Path, telemetry: Telemetry, e
         assert series
         for s in series:
             assert not UNBOUNDED_LABELS & set(s["metric"]), s["metric"]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.mark.servers
+def test_prometheus_scrapes_over_tls_with_a_bearer_token(tmp_path: Path, pki: dict[str, Path]) -> None:
+    """The scrape endpoint takes the listeners' TLS and token settings; a real Prometheus scrapes it with both."""
+    telemetry = Telemetry()
+    count_test_session(telemetry)
+    token = "scrape-token-1"
+    cfg = PrometheusConfig(endpoint=f"{LOCALHOST}:0",
+                           tls=TLSConfig(cert_file=str(pki["server_cert"]), key_file=str(pki["server_key"])),
+                           auth=AuthConfig(bearer_token=token))
+    exporter = PrometheusExporter(cfg, telemetry)
+    try:
+        target = f"{LOCALHOST}:{exporter.port}"
+        url = f"https://{target}/metrics"
+        trust = ssl.create_default_context(cafile=str(pki["ca"]))
+        assert httpx.get(url, verify=trust, timeout=5).status_code == 401
+        wrong = httpx.get(url, verify=trust, headers={"Authorization": "Bearer nope"}, timeout=5)
+        assert wrong.status_code == 401
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://{target}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+        good = httpx.get(url, verify=trust, headers={"Authorization": f"Bearer {token}"}, timeout=5)
+        assert good.status_code == 200 and "durable_check_violations_total" in good.text
+        tls = {"ca_file": str(pki["ca"])}
+        jobs = {
+            "with-token": {"scheme": "https", "tls_config": tls,
+                           "authorization": {"type": "Bearer", "credentials": token},
+                           "static_configs": [{"targets": [target]}]},
+            "without-token": {"scheme": "https", "tls_config": dict(tls), "static_configs": [{"targets": [target]}]},
+        }
+        with prometheus_server(tmp_path / "prometheus", [], [], jobs) as prometheus:
+            result = wait_until(
+                lambda: query(prometheus.url, 'durable_check_violations_total{rule="DS002"}'),
+                timeout_s=30, what="Prometheus to scrape over TLS with the token",
+            )
+            assert {r["metric"]["job"] for r in result} == {"with-token"}
+            refused = wait_until(lambda: query(prometheus.url, 'up{job="without-token"} == 0'),
+                                 timeout_s=30, what="the scrape without a token to fail")
+            assert refused[0]["metric"]["instance"] == target
+    finally:
+        exporter.shutdown()

@@ -12,7 +12,7 @@ import helm_python as helm
 import httpx
 import yaml
 
-from exporters import PrometheusExporter
+from exporters import PrometheusConfig, PrometheusExporter
 from processor.telemetry import METRICS, Telemetry
 from tests.servers import LOCALHOST, prometheus_server, query, wait_until
 
@@ -75,7 +75,7 @@ def test_dashboard_covers_the_issue_and_names_only_our_metrics() -> None:
 
 def test_every_expression_runs_on_a_real_prometheus(tmp_path: Path) -> None:
     telemetry = Telemetry()
-    exporter = PrometheusExporter(f"{LOCALHOST}:0", telemetry)
+    exporter = PrometheusExporter(PrometheusConfig(endpoint=f"{LOCALHOST}:0"), telemetry)
     try:
         telemetry.violations.labels("DS107", "critical", "travel-agent").inc(3)
         telemetry.open_waits.labels("awaiting_approval").set(2)

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from exporters import PrometheusExporter, WebhookConfig, WebhookExporter
+from exporters import PrometheusConfig, PrometheusExporter, WebhookConfig, WebhookExporter
 from processor.telemetry import STATE_FAILURE_KINDS, Telemetry
 from tests.servers import (
     LOCALHOST,
@@ -62,7 +62,7 @@ def alerts(prometheus_url: str) -> dict[str, list[dict[str, Any]]]:
 @pytest.mark.servers
 def test_shipped_rules_fire_on_scraped_metrics(tmp_path: Path) -> None:
     telemetry = Telemetry()
-    exporter = PrometheusExporter(f"{LOCALHOST}:0", telemetry)
+    exporter = PrometheusExporter(PrometheusConfig(endpoint=f"{LOCALHOST}:0"), telemetry)
     # A webhook whose endpoint is down and whose queue holds one item: it will drop.
     webhook = WebhookExporter(WebhookConfig(url=f"http://{LOCALHOST}:{free_port()}/", max_queue=1), telemetry)
     try:
@@ -111,7 +111,7 @@ def test_shipped_rules_fire_on_scraped_metrics(tmp_path: Path) -> None:
 def test_state_store_and_journal_alerts_on_scraped_metrics(tmp_path: Path) -> None:
     """The state alerts against a real Prometheus scraping the metrics as a replica exposes them."""
     telemetry = Telemetry()
-    exporter = PrometheusExporter(f"{LOCALHOST}:0", telemetry)
+    exporter = PrometheusExporter(PrometheusConfig(endpoint=f"{LOCALHOST}:0"), telemetry)
     try:
         # As the durable runner does: every failure kind born at zero, the outbox counted per exporter.
         for kind in STATE_FAILURE_KINDS:

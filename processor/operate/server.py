@@ -65,7 +65,8 @@ class UiServer:
     async def start(self) -> None:
         cfg = self._cfg
         self._server = EmbeddedHttpServer(build_app(cfg, self._ctx), cfg.endpoint, cfg.tls, what="the operator view",
-                                          where="ui.endpoint", backlog=128, graceful_s=2)
+                                          where="ui.endpoint", backlog=128, graceful_s=2,
+                                          connections=cfg.connections)
         self.port = self._server.port
         await self._server.start()
 

@@ -6,6 +6,15 @@ deserializer so that a body which does not parse is answered INVALID_ARGUMENT wi
 what failed (grpc's own deserializer would answer INTERNAL). A message over
 ``max_recv_msg_size`` never reaches the handler: grpc answers RESOURCE_EXHAUSTED.
 
+Bytes are counted before gRPC buffers them. A unary handler would only run once
+gRPC holds the whole message, so ``Export`` is served as a stream of one message
+(the same bytes on the wire): the handler first takes ``max_recv_msg_size`` from the
+byte budget, and only then asks for the message; past the budget the call is
+refused UNAVAILABLE with a RetryInfo and its message is never read. Once read, the
+reservation shrinks to the message's size. What gRPC holds for a stream nobody reads
+is bounded by its flow-control window, kept at its initial size (BDP probing off),
+and by the streams one connection may open (``grpc.max_concurrent_streams``).
+
 Status codes (OTLP specification): INVALID_ARGUMENT for undecodable data,
 UNAUTHENTICATED for a missing or wrong bearer token, UNAVAILABLE with a
 ``google.rpc.RetryInfo`` when the queue is full or the server is shutting down.
@@ -15,8 +24,9 @@ draining; it needs no token, so orchestrators can probe it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final, NoReturn
 
 import grpc
@@ -26,6 +36,7 @@ from grpc_health.v1._async import HealthServicer
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from processor.config import GrpcReceiverConfig
+from processor.open_files import listener_share
 from processor.receive.budget import BudgetSpent, ByteBudget, Claim
 from processor.receive.otlp_common import (
     RefusalLog,
@@ -47,6 +58,12 @@ _STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
 _RETRY_INFO_KEY: Final = "google.rpc.retryinfo-bin"
 # Where spans came from, as violations name it.
 ORIGIN: Final = "otlp-grpc"
+# Streams one connection may have open at once; more wait in the client (HTTP/2 SETTINGS).
+MAX_STREAMS_PER_CONNECTION: Final = 32
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(float(seconds) * 1000))
 
 
 def _server_credentials(cfg: GrpcReceiverConfig) -> grpc.ServerCredentials:
@@ -88,15 +105,24 @@ class OTLPGrpcReceiver:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port (useful with ``:0``)."""
+        connections = self._cfg.connections
         server = grpc.aio.server(
             options=[
+                # The connection limits every listener has (processor.listener_config.ConnectionLimits).
+                ("grpc.max_allowed_incoming_connections", listener_share(connections.max_open)),
+                ("grpc.server_handshake_timeout_ms", _ms(connections.header_timeout)),
+                ("grpc.max_connection_idle_ms", _ms(connections.idle_timeout)),
                 ("grpc.max_receive_message_length", int(self._cfg.max_recv_msg_size)),
                 ("grpc.max_send_message_length", 4 * 1024 * 1024),
                 # A second serve on the same port must fail, not share the port unnoticed.
                 ("grpc.so_reuseport", 0),
+                # Bytes of a message nobody has asked for yet stay within the initial window.
+                ("grpc.http2.bdp_probe", 0),
+                ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ]
         )
-        handler = grpc.unary_unary_rpc_method_handler(
+        # A stream of one message: the handler runs before the message is read (see the module's doc).
+        handler = grpc.stream_unary_rpc_method_handler(
             self._export,
             request_deserializer=None,  # raw bytes: we parse, so bad input gets INVALID_ARGUMENT
             response_serializer=trace_service_pb2.ExportTraceServiceResponse.SerializeToString,
@@ -129,14 +155,16 @@ class OTLPGrpcReceiver:
         if self._server is not None:
             await self._server.stop(grace_s)
 
-    async def _export(self, body: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    async def _export(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         claim = self._budget.claim()
         try:
-            return await self._export_claimed(body, context, claim)
+            return await self._export_claimed(messages, context, claim)
         finally:
             claim.release()
 
-    async def _export_claimed(self, body: bytes, context: grpc.aio.ServicerContext[Any, Any], claim: Claim) -> Any:
+    async def _export_claimed(
+        self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any], claim: Claim
+    ) -> Any:
         token = self._cfg.auth.bearer_token
         if token:
             metadata = context.invocation_metadata() or ()
@@ -144,10 +172,21 @@ class OTLPGrpcReceiver:
             if not bearer_token_ok(token, authorization):
                 self._refusals.refused("OTLP/gRPC export (UNAUTHENTICATED)", "missing or wrong bearer token")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        # The largest message gRPC would accept, taken before it is read; what it does not use is given back.
+        reserved = int(self._cfg.max_recv_msg_size)
         try:
-            claim.take(len(body))
+            claim.take(reserved)
         except BudgetSpent as exc:
             await self._refuse(context, 0, exc, self._queue.retry_after_s)
+        try:
+            body = await asyncio.wait_for(self._one_message(messages, context),
+                                          float(self._cfg.connections.body_timeout))
+        except TimeoutError:
+            self._refusals.refused("OTLP/gRPC export (DEADLINE_EXCEEDED)", "the request message did not arrive "
+                                   "within receivers.otlp.grpc.connections.body_timeout")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the request message did not arrive within the server's body_timeout")
+        claim.give_back(max(0, reserved - len(body)))
         try:
             request = parse_protobuf(body)
         except RequestDecodeError as exc:
@@ -176,6 +215,16 @@ class OTLPGrpcReceiver:
             response.partial_success.rejected_spans = ack.rejected_spans
             response.partial_success.error_message = ack.message
         return response
+
+    async def _one_message(
+        self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """The call's one request message; a client that streams none or several is refused."""
+        async for body in messages:
+            async for _ in messages:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Export takes one request message")
+            return body
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext[Any, Any], spans: int, exc: Exception, retry_after_s: float

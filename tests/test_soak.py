@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak import Soak
+from processor.records import LABEL_MAX_CHARS
 
 # What each hostile request must be answered; nothing else is acceptable.
 EXPECTED_ANSWERS = {
@@ -22,6 +23,8 @@ EXPECTED_ANSWERS = {
     "no token over gRPC": {"UNAUTHENTICATED"},
     "cut mid-body": {"closed"},
     "slow body": {"closed"},
+    "huge service name": {"200", "503"},
+    "huge ids": {"200", "503"},
 }
 # Half of the Helm chart's default memory limit (1Gi): serve must stay well inside it.
 MEMORY_BOUND_KIB = 512 * 1024
@@ -44,4 +47,6 @@ def test_sustained_load_with_hostile_requests_loses_nothing_and_stays_healthy(tm
         assert answer in EXPECTED_ANSWERS[kind], (outcome, count)
     assert seen_kinds == set(EXPECTED_ANSWERS), summary
     assert 0 < result.peak_rss_kib < MEMORY_BOUND_KIB, summary
+    # Label values are bounded: a 64 KiB service.name does not reach /metrics as sent.
+    assert 0 < result.longest_label <= LABEL_MAX_CHARS and result.metrics_bytes < 1_000_000, summary
     assert result.tracebacks == 0, result.log_tail

@@ -7,8 +7,10 @@ requests of payment spans without an idempotency key, each in a session of its o
 every span gives exactly one DS002 violation, so what serve evaluated can be counted
 against what the clients were told was accepted. Hostile clients, meanwhile, send
 gzip and zstd bombs, requests over the span limit, requests that raise violations
-past the caps, garbage, wrong tokens, bodies cut off mid-way and bodies trickled
-slowly. A second hostile client lays siege in turn to every port (the HTTP and gRPC
+past the caps, garbage, wrong tokens, bodies cut off mid-way, bodies trickled
+slowly, 64 KiB ``service.name`` values (each a metric label) and 200,000-character
+session and action ids (whose violations must still be found, under their bounded ids).
+A second hostile client lays siege in turn to every port (the HTTP and gRPC
 receivers, the operator view, ``/metrics``) with 1,100 connections that never finish a
 request, serve running under an open-file limit of 1,024, and sends bursts of 48
 concurrent 15 MiB gRPC calls, retried as their RetryInfo says until each gets through.
@@ -17,8 +19,9 @@ A prober checks ``/healthz``, gRPC health, the view's ``/healthz`` and ``/metric
 
 It reports, and ``tests/test_soak.py`` asserts: every acknowledged span was evaluated
 (its violation is in the JSONL output after a graceful stop), health never failed,
-each hostile request got the answer its kind calls for, and serve's peak RSS (VmHWM,
-read from /proc before it stops) stayed under the bound.
+each hostile request got the answer its kind calls for, serve's peak RSS (VmHWM,
+read from /proc before it stops) stayed under the bound, and ``/metrics``, scraped
+before the stop, stayed small with every label value bounded.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from bench import build
 from processor.open_files import raise_to_hard_limit
+from processor.records import bounded_text
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 TOKEN: Final = "soak-token-0123456789"
@@ -100,11 +104,13 @@ def retry_delay_s(error: grpc.RpcError) -> float | None:
     return None
 
 
-def payment_request(session: str, actions: list[str]) -> trace_service_pb2.ExportTraceServiceRequest:
+def payment_request(
+    session: str, actions: list[str], service: str = "soak",
+) -> trace_service_pb2.ExportTraceServiceRequest:
     request = trace_service_pb2.ExportTraceServiceRequest()
     resource_spans = request.resource_spans.add()
     attribute = resource_spans.resource.attributes.add()
-    attribute.key, attribute.value.string_value = "service.name", "soak"
+    attribute.key, attribute.value.string_value = "service.name", service
     scope_spans = resource_spans.scope_spans.add()
     for index, action in enumerate(actions):
         span = scope_spans.spans.add()
@@ -132,6 +138,8 @@ class SoakResult:
     health_probes: int = 0
     health_second_tries: int = 0  # HTTP probes answered on their second try
     peak_rss_kib: int = 0
+    metrics_bytes: int = 0  # /metrics as scraped before the stop
+    longest_label: int = 0  # the longest label value in it
     exit_code: int | None = None
     tracebacks: int = 0  # in serve's whole log
     log_tail: str = ""
@@ -153,6 +161,8 @@ class SoakResult:
             "health_answered_on_second_try": self.health_second_tries,
             "health_failures": self.health_failures[:10],
             "peak_rss_mib": round(self.peak_rss_kib / 1024, 1),
+            "metrics_bytes": self.metrics_bytes,
+            "longest_label_value": self.longest_label,
             "exit_code": self.exit_code,
             "tracebacks_in_log": self.tracebacks,
         }
@@ -229,6 +239,7 @@ class Soak:
         if proc is None:
             return
         if proc.poll() is None:
+            self._scrape()
             self.result.peak_rss_kib = vm_hwm_kib(proc.pid)
             proc.send_signal(signal.SIGTERM)
             try:
@@ -239,6 +250,19 @@ class Soak:
         self.result.log_tail = self._log_tail()
         with (self.workdir / "serve.log").open("rb") as log:
             self.result.tracebacks = sum(line.startswith(b"Traceback") for line in log)
+
+    def _scrape(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            body = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30,
+                             headers={"authorization": f"Bearer {TOKEN}"}).text
+        except httpx.HTTPError as exc:
+            self.result.unexpected.append(f"scraping /metrics failed: {type(exc).__name__}")
+            return
+        self.result.metrics_bytes = len(body.encode())
+        self.result.longest_label = max((len(value) for family in text_string_to_metric_families(body)
+                                         for sample in family.samples for value in sample.labels.values()), default=0)
 
     def _log_tail(self) -> str:
         try:
@@ -350,6 +374,7 @@ class Soak:
         too_many = payment_request("x-too-many", [f"a{i}" for i in range(SPANS_PER_REQUEST_LIMIT + 1)])
         amplifying = payment_request("x-amplify", [f"a{i}" for i in range(SPANS_PER_REQUEST_LIMIT)])
         good = payment_request("x-good", ["a"]).SerializeToString()
+        turns = iter(range(1 << 62))
         cases: list[tuple[str, Callable[[httpx.Client], str]]] = [
             ("gzip bomb", lambda c: self._post(c, url, gzip_bomb, {**PROTOBUF, **auth, "Content-Encoding": "gzip"})),
             ("zstd bomb", lambda c: self._post(c, url, zstd_bomb, {**PROTOBUF, **auth, "Content-Encoding": "zstd"})),
@@ -361,6 +386,8 @@ class Soak:
             ("no token over gRPC", lambda c: self._grpc_without_token()),
             ("cut mid-body", lambda c: self._cut(good)),
             ("slow body", lambda c: self._trickle(good)),
+            ("huge service name", lambda c: self._huge(c, url, next(turns), ids=False)),
+            ("huge ids", lambda c: self._huge(c, url, next(turns), ids=True)),
         ]
         with httpx.Client(timeout=30) as client:
             turn = 0
@@ -377,6 +404,20 @@ class Soak:
             return str(client.post(url, content=body, headers=headers).status_code)
         except httpx.HTTPError as exc:
             return type(exc).__name__
+
+    def _huge(self, client: httpx.Client, url: str, n: int, *, ids: bool) -> str:
+        """Valid payments with a 64 KiB service name, or with 200,000-character session and action ids:
+        accepted like any other, evaluated under bounded ids (so counted as acknowledged, bounded)."""
+        long = "L" * 200_000
+        if ids:
+            session, actions, service = f"x-long-{n}-{long}", [f"pay-{i}-{long}" for i in range(4)], "soak"
+        else:
+            session, actions, service = f"x-label-{n}", ["pay-0"], f"svc-{n}-" + "S" * 65_536
+        body = payment_request(session, actions, service).SerializeToString()
+        answer = self._post(client, url, body, {**PROTOBUF, "authorization": f"Bearer {TOKEN}"})
+        if answer == "200":
+            self._acknowledge([(bounded_text(session), bounded_text(action)) for action in actions])
+        return answer
 
     def _grpc_without_token(self) -> str:
         with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:

@@ -43,6 +43,7 @@ from exporters.base import (
 )
 from exporters.config import JsonlConfig
 from processor.errors import ConfigError, Problem
+from processor.private_files import make_private_dirs, open_private
 from processor.records import Action
 from processor.telemetry import Telemetry
 from processor.violations import Violation
@@ -109,9 +110,9 @@ class RotatingFile:
 
     def _open(self) -> int:
         if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(self.path.parent)
             self.cut_torn_tail()
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = open_private(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             info = os.fstat(fd)
             self._size = info.st_size
             # A device or pipe (say /dev/stdout) is neither rotated nor fsynced.
@@ -128,7 +129,7 @@ class RotatingFile:
         if not self.path.is_file():
             return True  # absent, or a stream (never opened for reading: a FIFO would block)
         try:
-            with self.path.open("rb") as f:
+            with os.fdopen(open_private(self.path, os.O_RDONLY), "rb") as f:
                 first = f.read(1)
         except FileNotFoundError:
             return True
@@ -139,7 +140,7 @@ class RotatingFile:
         if not self.path.is_file() or not self.looks_owned():
             return False  # absent, a device or pipe, or not a JSONL file: nothing of ours to cut
         try:
-            with self.path.open("rb+") as f:
+            with os.fdopen(open_private(self.path, os.O_RDWR), "rb+") as f:
                 size = f.seek(0, os.SEEK_END)
                 if size == 0:
                     return False

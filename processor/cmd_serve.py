@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from processor.config import Config
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -37,9 +40,6 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)  # ConfigError: the CLI prints every problem and exits 2
     if args.flush_window_on_stop:
         config.evaluate.flush_window_on_stop = True
-    from processor.serve import Server, build_pipeline, build_store, serve_until_signalled
-    from processor.telemetry import Telemetry
-
     if args.check:
         from processor.evaluate.rulefmt import load_rules
 
@@ -64,6 +64,20 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("processor.serve").info("open files: soft limit raised from %d to %d", before, after)
     else:
         logging.getLogger("processor.serve").info("open files: soft limit %d", after)
+
+    from processor.config_paths import output_files
+    from processor.private_files import private_umask, report_loose
+
+    report_loose(output_files(config))
+    # What serve writes holds span payloads: private whatever the umask it was given.
+    with private_umask():
+        return _serve(config)
+
+
+def _serve(config: Config) -> int:
+    from processor.serve import Server, build_pipeline, build_store, serve_until_signalled
+    from processor.telemetry import Telemetry
+
     telemetry = Telemetry()
     store = build_store(config)  # StateError (locked, corrupt, unwritable): a message, exit 2
     pipeline = build_pipeline(config, telemetry, store)

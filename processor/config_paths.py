@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from processor.errors import Problem
+from processor.private_files import STREAM_DEVICES, output_problems
 
 if TYPE_CHECKING:
     from processor.config import Config
 
-# Devices that stand for a stream a person or a collector reads: accepted as outputs.
-_STREAM_DEVICES = ("/dev/stdout", "/dev/stderr")
-_SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
+_SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal", ".lock")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +46,8 @@ def check_paths(config: Config) -> list[Problem]:
         usable.append(item)
         if item.output:
             problems.extend(_check_output(item))
+            problems.extend(Problem(item.where, message)
+                            for message in output_problems(item.path, created_beside(item.where, item.path, config)))
     problems.extend(_shared_files(usable, config))
     return problems
 
@@ -86,7 +87,7 @@ def _check_output(item: _Named) -> list[Problem]:
         return [Problem(item.where, f"{item.path} is a directory; name a file in it")]
     if stat.S_ISREG(info.st_mode):
         return []
-    if item.where.startswith("exporters.jsonl") and (item.path in _STREAM_DEVICES or stat.S_ISFIFO(info.st_mode)):
+    if item.where.startswith("exporters.jsonl") and (item.path in STREAM_DEVICES or stat.S_ISFIFO(info.st_mode)):
         return []  # a stream: never rotated or truncated (see exporters.jsonl)
     return [Problem(item.where, f"{item.path} is a device or special file, not a regular file")]
 
@@ -110,13 +111,28 @@ def _check_parent(item: _Named) -> list[Problem]:
         return []
 
 
+def created_beside(where: str, path: str, config: Config) -> list[str]:
+    """The files serve creates beside the output ``path`` of the setting ``where``."""
+    if where == "state.path":
+        return [path + suffix for suffix in _SQLITE_SIDE_FILES]
+    if where.startswith("exporters.jsonl"):
+        return [f"{path}.{i}" for i in range(1, config.exporters.jsonl.rotate_keep + 1)]
+    return []
+
+
+def output_files(config: Config) -> list[str]:
+    """Every file serve writes (outputs and the files beside them) and the directories that hold them."""
+    out: list[str] = []
+    for item in _named_paths(config):
+        if item.output and "\0" not in item.path:
+            out += [os.path.dirname(os.path.abspath(item.path)), item.path,
+                    *created_beside(item.where, item.path, config)]
+    return out
+
+
 def _identities(item: _Named, config: Config) -> list[tuple[str, str]]:
     """(identity, file) for every file the setting names or, for an output, creates."""
-    files = [item.path]
-    if item.where == "state.path":
-        files += [item.path + suffix for suffix in _SQLITE_SIDE_FILES]
-    elif item.where.startswith("exporters.jsonl"):
-        files += [f"{item.path}.{i}" for i in range(1, config.exporters.jsonl.rotate_keep + 1)]
+    files = [item.path, *(created_beside(item.where, item.path, config) if item.output else ())]
     out = []
     for name in files:
         real = os.path.realpath(name)

@@ -13,6 +13,7 @@ as an integer, whether its action id had to be made up) travels beside the recor
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
@@ -75,6 +76,40 @@ FIELD_TYPES: Final[dict[str, FieldType]] = {
 }
 
 _FIELD_ORDER: Final = {name: index for index, name in enumerate(FIELD_TYPES)}
+
+# Text fields are ids and short words: past this length a value is replaced by its bounded
+# form (``bounded_text``), so what the engine, the view and the exporters keep per session
+# does not grow with what a client sends. Distinct values stay distinct (a 128-bit digest).
+IDENTITY_MAX_CHARS: Final = 256
+# A metric label value (service.name) past this length: the same, with a 64-bit digest.
+LABEL_MAX_CHARS: Final = 64
+_BOUNDED_FIELDS: Final = frozenset(name for name, kind in FIELD_TYPES.items() if kind in ("str", "str|int"))
+
+
+def bounded_text(value: str, limit: int = IDENTITY_MAX_CHARS) -> str:
+    """``value`` if it is at most ``limit`` characters, else a readable prefix, ``~`` and a digest of the
+    whole value, ``limit`` characters long at most. The same value always gives the same text (across
+    restarts, replicas and builds), and the bounded form of a bounded form is itself."""
+    if len(value) <= limit:
+        return value
+    size = 16 if limit >= IDENTITY_MAX_CHARS else 8
+    digest = hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=size).hexdigest()
+    return value[: limit - 2 * size - 1] + "~" + digest
+
+
+def bound_identities(record: Record) -> None:
+    """Replace, in place, every text field of the contract longer than IDENTITY_MAX_CHARS by its bounded form.
+
+    One length test per field on the usual record (nothing allocated): it runs for every action."""
+    long: list[str] | None = None
+    for name, value in record.items():
+        if type(value) is str and len(value) > IDENTITY_MAX_CHARS and name in _BOUNDED_FIELDS:
+            if long is None:
+                long = []
+            long.append(name)
+    if long is not None:
+        for name in long:
+            record[name] = bounded_text(record[name])
 _TYPE_WORDS: Final[dict[FieldType, str]] = {
     "str": "a string",
     "int": "an integer",

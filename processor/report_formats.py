@@ -14,6 +14,7 @@ Sessions are known to these reports through the read model replay fills
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET  # writing XML only, never parsing it
 from collections import defaultdict
 from typing import Any, Final, TextIO
@@ -30,6 +31,14 @@ from processor.violations import Violation
 
 SARIF_SCHEMA: Final = "https://json.schemastore.org/sarif-2.1.0.json"
 _SARIF_LEVEL: Final = {"critical": "error", "error": "error", "warning": "warning", "info": "note"}
+# What XML 1.0 forbids in a document (control characters, lone surrogates, U+FFFE, U+FFFF):
+# one such character written raw makes a CI system reject the whole report.
+_NOT_XML: Final = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(text: str) -> str:
+    """``text`` with every character XML 1.0 forbids written as ``\\uXXXX``, so distinct ids stay distinct."""
+    return _NOT_XML.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _sessions_by_input(report: Report, views: MemoryViews) -> dict[str, list[str]]:
@@ -81,16 +90,15 @@ def write_junit(report: Report, views: MemoryViews, out: TextIO) -> None:
     groups = _sessions_by_input(report, views)
     for name in report.inputs:
         sessions = groups.get(name, [])
-        suite = ET.SubElement(suites, "testsuite", name=name)
+        suite = ET.SubElement(suites, "testsuite", name=xml_text(name))
         failures = 0
         for sid in sessions:
             # A session met in several inputs carries its failures in the first.
             found = by_session.get(sid, []) if sid not in placed else []
             placed.add(sid)
-            case = ET.SubElement(suite, "testcase", name=sid, classname=name)
+            case = ET.SubElement(suite, "testcase", name=xml_text(sid), classname=xml_text(name))
             for v in found:
-                failure = ET.SubElement(case, "failure", message=f"{v.rule} {v.name}: {v.message}"[:1000],
-                                        type=v.rule)
+                failure = ET.SubElement(case, "failure", message=_failure_message(v), type=xml_text(v.rule))
                 failure.text = _failure_text(v)
             failures += 1 if found else 0
         suite.set("tests", str(len(sessions)))
@@ -102,21 +110,25 @@ def write_junit(report: Report, views: MemoryViews, out: TextIO) -> None:
         suite = ET.SubElement(suites, "testsuite", name="(records without a session)", tests=str(len(rest)),
                               failures=str(len(rest)), errors="0")
         for sid in rest:
-            case = ET.SubElement(suite, "testcase", name=sid or "(no session)", classname="durable-check")
+            case = ET.SubElement(suite, "testcase", name=xml_text(sid) or "(no session)", classname="durable-check")
             for v in by_session[sid]:
-                ET.SubElement(case, "failure", message=f"{v.rule} {v.name}: {v.message}"[:1000],
-                              type=v.rule).text = _failure_text(v)
+                failure = ET.SubElement(case, "failure", message=_failure_message(v), type=xml_text(v.rule))
+                failure.text = _failure_text(v)
     ET.indent(suites)
     out.write('<?xml version="1.0" encoding="UTF-8"?>\n')
     out.write(ET.tostring(suites, encoding="unicode"))
     out.write("\n")
 
 
+def _failure_message(v: Violation) -> str:
+    return xml_text(f"{v.rule} {v.name}: {v.message}"[:1000])
+
+
 def _failure_text(v: Violation) -> str:
     where = f"{v.origin}:{v.line}" if v.line is not None else (v.origin or "")
     parts = [f"rule {v.rule} ({v.severity})", f"action {v.action_id}" if v.action_id else "", where,
              f"trace {v.trace_id} span {v.span_id}" if v.trace_id else ""]
-    return "\n".join(p for p in parts if p)
+    return xml_text("\n".join(p for p in parts if p))
 
 
 def write_sarif(report: Report, rules: RuleSet, out: TextIO) -> None:

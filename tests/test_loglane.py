@@ -566,3 +566,24 @@ def test_a_json_report_written_into_its_file_is_the_engines_whatever_its_head_ca
         direction = "longer" if placement in ("head-longer", "malformed-later") else "shorter"
         assert f"bytes {direction} than estimated" in moves[0]
 
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_overlong_ids_are_bounded_as_the_engine_bounds_them(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lines short enough for the typed decoder (a 300-character id) and far longer ones (200,000):
+    the lane reports them under the same bounded ids as the engine."""
+    from processor.records import IDENTITY_MAX_CHARS, bounded_text
+
+    ids = ["k" * 300, "m" * 200_000, "n" * (IDENTITY_MAX_CHARS - 4)]
+    lines = [orjson.dumps({"session_id": f"s-{i}-{long}", "action_id": f"pay-{long}", "kind": "payment",
+                           "status": "ok", "cache_key": long}) for i, long in enumerate(ids)]
+    lines += [orjson.dumps({"session_id": "short", "action_id": "pay-1", "kind": "payment", "status": "ok"})]
+    log = _write(str(tmp_path), "a.jsonl", lines)
+    code, out, _ = _both(["--pack", "durable-sessions", "--format", fmt, log], capsys)
+    assert code == 1
+    assert "m" * (IDENTITY_MAX_CHARS + 1) not in out and "k" * 300 not in out
+    for i, long in enumerate(ids):
+        assert bounded_text(f"s-{i}-{long}") in out
+    assert f"s-2-{ids[2]}" in out  # at the limit: kept as it is

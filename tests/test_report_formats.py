@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+import orjson
 import pytest
 from junitparser import Failure, JUnitXml
 from playwright.sync_api import Browser, expect
@@ -115,3 +117,36 @@ def test_output_to_an_unwritable_place_is_a_clear_error(tmp_path: Path, capsys: 
     code = cli.main(["replay", str(BAD_LOG), "--format", "sarif", "--output", str(tmp_path / "no" / "such" / "x")])
     assert code == 2
     assert "--output" in capsys.readouterr().err
+
+
+# -- whatever the ids hold (XML 1.0 forbids some characters) ------------------------------------
+
+XML_ILLEGAL = ["\x01", "\x1b", "\x0c", "\ufffe", "\uffff", "\x00"]
+
+
+def test_junit_report_is_well_formed_whatever_the_ids_hold(tmp_path: Path) -> None:
+    log = tmp_path / "actions.jsonl"
+    sessions = [f"s{i}-{char}-end" for i, char in enumerate(XML_ILLEGAL)] + ["plain-\t-é-session"]
+    lines = [{"session_id": s, "action_id": f"pay-{char_index}\x02", "kind": "payment", "status": "ok"}
+             for char_index, s in enumerate(sessions)]
+    log.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    out = tmp_path / "report.xml"
+    assert cli.main(["replay", str(log), "--format", "junit", "--output", str(out)]) == 1
+    ET.parse(out)  # Python's own parser: not well-formed would raise
+    xml = JUnitXml.fromfile(str(out))
+    cases = [case for suite in xml for case in suite]
+    assert len(cases) == len(sessions)
+    names = [case.name for case in cases]
+    assert len(set(names)) == len(sessions), "distinct sessions stay distinct"
+    assert "plain-\t-é-session" in names, "legal characters are kept as they are"
+    assert all(any(isinstance(r, Failure) for r in case.result) for case in cases)
+
+
+def test_xml_text_replaces_what_xml_forbids() -> None:
+    from processor.report_formats import xml_text
+
+    assert xml_text("a\x01b") == "a\\u0001b"
+    assert xml_text("\ud800") == "\\ud800"
+    assert xml_text("ok\t\n\r é \U0001f600") == "ok\t\n\r é \U0001f600"
+    document = ET.Element("x", name=xml_text("".join(XML_ILLEGAL) + "\ud800"))
+    ET.fromstring(ET.tostring(document, encoding="unicode"))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak import Soak
+from processor.records import LABEL_MAX_CHARS
 
 # What each hostile request must be answered; nothing else is acceptable. A request read after
 # authentication may also be told to retry (503) while the large gRPC calls hold the byte budget,
@@ -33,6 +34,8 @@ EXPECTED_ANSWERS = {
     "1,100 slow connections (metrics)": {"closed"},
     # Refused with RetryInfo while the byte budget is spent, each through once it retried as told.
     "48 concurrent 15 MiB gRPC calls": {"all through"},
+    "huge service name": {"200", "503"} | _CLOSED_WHILE_IDLE,
+    "huge ids": {"200", "503"} | _CLOSED_WHILE_IDLE,
 }
 # Half of the Helm chart's default memory limit (1Gi): serve must stay well inside it.
 MEMORY_BOUND_KIB = 512 * 1024
@@ -55,4 +58,6 @@ def test_sustained_load_with_hostile_requests_loses_nothing_and_stays_healthy(tm
         assert answer in EXPECTED_ANSWERS[kind], (outcome, count)
     assert seen_kinds == set(EXPECTED_ANSWERS), summary
     assert 0 < result.peak_rss_kib < MEMORY_BOUND_KIB, summary
+    # Label values are bounded: a 64 KiB service.name does not reach /metrics as sent.
+    assert 0 < result.longest_label <= LABEL_MAX_CHARS and result.metrics_bytes < 1_000_000, summary
     assert result.tracebacks == 0, result.log_tail

@@ -15,12 +15,15 @@ import orjson
 from processor.convert.timefmt import parse_rfc3339
 from processor.records import (
     FIELD_TYPES,
+    IDENTITY_MAX_CHARS,
     INT64_MAX,
     INT64_MIN,
     PYTHON_TYPES,
     REQUIRED_FIELDS,
     Action,
     Malformed,
+    bound_identities,
+    bounded_text,
     json_type_name,
     validate_record,
 )
@@ -48,6 +51,8 @@ def well_formed(record: dict[str, Any]) -> bool:
             # An int past 64 bits (orjson gives up to 2**64-1) goes to validate_record's message.
             if kind not in types or (kind is int and not INT64_MIN <= value <= INT64_MAX):
                 return False
+            if kind is str and len(value) > IDENTITY_MAX_CHARS:
+                return False  # parsed_line replaces it by its bounded form
     return True
 
 
@@ -93,15 +98,18 @@ def typed_decoder(extra_fields: Iterable[str] = ()) -> TypedDecoders:
 
     # A value, not a type alias: annotated so that a compiled build (mypyc) keeps it as one.
     int64: Any = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+    # A text longer than IDENTITY_MAX_CHARS is refused here: the general path bounds it (parsed_line).
+    text: Any = Annotated[str, msgspec.Meta(max_length=IDENTITY_MAX_CHARS)]
     types: dict[str, Any] = {
-        "str": str,
+        "str": text,
         "int": int64,
         "number": Union[int64, float],  # noqa: UP007 (a runtime type expression for msgspec)
         "bool": bool,
-        "str|int": Union[str, int64],  # noqa: UP007
+        "str|int": Union[text, int64],  # noqa: UP007
     }
     unset = msgspec.UnsetType
-    fields: list[Any] = [(name, Annotated[str, msgspec.Meta(min_length=1)]) for name in REQUIRED_FIELDS]
+    fields: list[Any] = [(name, Annotated[str, msgspec.Meta(min_length=1, max_length=IDENTITY_MAX_CHARS)])
+                         for name in REQUIRED_FIELDS]
     for name, word in FIELD_TYPES.items():
         if name in REQUIRED_FIELDS:
             continue
@@ -117,7 +125,7 @@ def typed_decoder(extra_fields: Iterable[str] = ()) -> TypedDecoders:
 
 def _id_or_empty(record: dict[str, Any], name: str) -> str:
     value = record.get(name)
-    return value if isinstance(value, str) else ""
+    return bounded_text(value) if isinstance(value, str) else ""
 
 
 def parse_line(raw: bytes, origin: str, line: int, seq: int = 0) -> Action | Malformed | None:
@@ -169,6 +177,7 @@ def parsed_line(parsed: Any, origin: str, line: int, seq: int = 0) -> Action | M
             action_id=_id_or_empty(parsed, "action_id"),
             source="log",
         )
+    bound_identities(parsed)
     when = parsed.get("time")
     return Action(
         record=parsed,

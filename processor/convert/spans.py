@@ -57,7 +57,16 @@ from processor.convert.profiles import (
 )
 from processor.convert.timefmt import format_rfc3339
 from processor.convert.wire import MappedTracesData
-from processor.records import INT64_MAX, Action, Malformed, Record, SessionMark, SpanLinks
+from processor.records import (
+    INT64_MAX,
+    Action,
+    Malformed,
+    Record,
+    SessionMark,
+    SpanLinks,
+    bound_identities,
+    bounded_text,
+)
 
 _STATUS_CODE_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 _ZERO_TRACE_ID: Final = bytes(16)
@@ -355,6 +364,7 @@ class SpanConverter:
             pid = _text_of(found, PROCESS_PID)
             instance = f"{host}:{pid}" if host and pid else host
         names = bool(defaults.get("session_id")) or any(key in found for key in self._session_keys)
+        service, instance = bounded_text(service), bounded_text(instance)
         return _Resource(service or None, instance or None, defaults, list(problems.values()), found, names)
 
     # -- spans ----------------------------------------------------------------------------
@@ -547,7 +557,7 @@ class SpanConverter:
             bytes(span.trace_id).hex(),
             bytes(span.span_id).hex(),
             bytes(span.parent_span_id).hex(),
-            session if named else "",
+            bounded_text(session) if named else "",
             time_ns if 0 < time_ns <= INT64_MAX else None,
         )
         out.marks.append(mark)
@@ -616,8 +626,8 @@ class SpanConverter:
             return Malformed(
                 f"{where}: " + "; ".join(problems),
                 origin=origin,
-                session_id=session,
-                action_id=action_id or "",
+                session_id=bounded_text(session),
+                action_id=bounded_text(action_id or ""),
                 trace_id=trace_hex,
                 span_id=span_hex,
                 source="span",
@@ -681,10 +691,12 @@ class SpanConverter:
                 record["result"] = None
             for name in self._field_order(tuple(merged)):
                 record[name] = merged[name]
+            bound_identities(record)
             return record
         record = {"session_id": session, "action_id": action_id, "kind": kind, "status": default_status}
         if verdict is not None and verdict.result_recorded:
             record["result"] = None
+        bound_identities(record)
         return record
 
     def _field_order(self, names: tuple[str, ...]) -> tuple[str, ...]:

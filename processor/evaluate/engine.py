@@ -106,7 +106,16 @@ from processor.evaluate.cel import CompiledExpression
 from processor.evaluate.identity import IdentityResolver, IdentityState
 from processor.evaluate.kept_digests import equality_only_fields
 from processor.evaluate.model import Rule, RuleSet
-from processor.records import FIELD_TYPES, NONDETERMINISTIC_KINDS, SIDE_EFFECT_KINDS, Action, Malformed, SessionMark
+from processor.records import (
+    FIELD_TYPES,
+    LABEL_MAX_CHARS,
+    NONDETERMINISTIC_KINDS,
+    SIDE_EFFECT_KINDS,
+    Action,
+    Malformed,
+    SessionMark,
+    bounded_text,
+)
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
 from processor.state.memory import MemoryStore
 from processor.state.session import (
@@ -1886,12 +1895,15 @@ class Engine:
     def _service_label(self, value: Any) -> str:
         if not isinstance(value, str) or not value:
             return "unknown"
-        if value in self._services:
-            return value
+        label: str = value
+        if len(label) > LABEL_MAX_CHARS:
+            label = bounded_text(label, LABEL_MAX_CHARS)  # a readable prefix and a digest: still distinct
+        if label in self._services:
+            return label
         if len(self._services) >= _MAX_SERVICE_LABELS:
             return "other"
-        self._services.add(value)
-        return value
+        self._services.add(label)
+        return label
 
     def _end_batch(self) -> None:
         store = self._store

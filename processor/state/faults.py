@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Final
 
 from processor.errors import StateError
+from processor.private_files import make_private_dirs
 
 
 class StateCorrupt(StateError):
@@ -94,7 +95,7 @@ def check_state_directory(path: str | Path) -> None:
     """Refuse a state file whose directory cannot be created or written: say so before serving."""
     directory = Path(path).resolve().parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(directory)
     except OSError as exc:
         raise StateUnavailable(f"cannot create the state directory {directory}: {exc.strerror or exc}") from None
     if not os.access(directory, os.W_OK | os.X_OK):

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from processor.errors import StateError
+from processor.private_files import open_private
 from processor.state.faults import StateCorrupt, StateUnavailable, check_state_directory, sqlite_error
 from processor.state.sqlstore import TABLES, SqlStateStore
 
@@ -62,6 +63,12 @@ class SqliteStore(SqlStateStore):
         self.busy_timeout_s = busy_timeout_s
         check_state_directory(self.path)
         self._lock_fd = _lock_exclusively(self.path)
+        try:
+            # Created here, 0600 and never through a link: SQLite gives its -wal and -shm the database's mode.
+            os.close(open_private(self.path, os.O_RDWR | os.O_CREAT))
+        except OSError as exc:
+            self._unlock()
+            raise StateUnavailable(f"cannot open the state database {self.path}: {exc.strerror or exc}") from None
         try:
             # Autocommit mode: transactions are the explicit BEGIN IMMEDIATE ... COMMIT below.
             self._conn = sqlite3.connect(
@@ -165,7 +172,7 @@ def _lock_exclusively(path: Path) -> int:
     """
     lock_path = path.with_name(path.name + ".lock")
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(lock_path, os.O_RDWR | os.O_CREAT)
     except OSError as exc:
         raise StateUnavailable(f"cannot create the lock file {lock_path}: {exc.strerror or exc}") from None
     try:

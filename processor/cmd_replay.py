@@ -85,6 +85,18 @@ def load_config_or_none(path: str | None) -> Config | None:
     return load_config(path, sections=("convert", "evaluate"))
 
 
+def allowed_lateness_s(config: Config | None, override: str | None) -> float:
+    """How far out of order spans may arrive: ``--allowed-lateness``, else the configuration's, else 5 s.
+
+    ValueError names what is wrong with the command line's value.
+    """
+    from processor.configfmt import parse_duration
+
+    if override:
+        return parse_duration(override)
+    return float(config.evaluate.allowed_lateness) if config is not None else 5.0
+
+
 def make_converter(config_path: str | None, config: Config | None = None) -> SpanConverter:
     from processor.convert import ConvertOptions, SpanConverter
 
@@ -95,7 +107,6 @@ def make_converter(config_path: str | None, config: Config | None = None) -> Spa
 
 
 def run(args: argparse.Namespace) -> int:
-    from processor.configfmt import parse_duration
     from processor.evaluate.engine import Engine, EngineOptions
     from processor.evaluate.rulefmt import load_rules
     from processor.pipeline import Pipeline
@@ -106,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
     rule_paths: list[str] = []
     include_shipped = not args.no_shipped_rules
     packs: list[str] = []
-    lateness = 5.0
     options = EngineOptions(mode="replay")
     remembered = options.max_remembered_entries
     limits = None
@@ -118,13 +128,11 @@ def run(args: argparse.Namespace) -> int:
         rule_paths.extend(ev.rules)
         include_shipped = include_shipped and ev.include_shipped_rules
         packs = list(ev.packs)
-        lateness = float(ev.allowed_lateness)
-    if args.allowed_lateness:
-        try:
-            lateness = parse_duration(args.allowed_lateness)
-        except ValueError as exc:
-            sys.stderr.write(f"durable-check: --allowed-lateness: {exc}\n")
-            return 2
+    try:
+        lateness = allowed_lateness_s(config, args.allowed_lateness)
+    except ValueError as exc:
+        sys.stderr.write(f"durable-check: --allowed-lateness: {exc}\n")
+        return 2
     rule_paths.extend(args.rules)
     if args.pack:
         packs = list(dict.fromkeys(args.pack))  # the command line's choice replaces the configuration's

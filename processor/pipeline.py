@@ -36,7 +36,7 @@ class Pipeline:
         engine_factory: Callable[[StateStore], Engine] | None = None,
         caps: ViolationCaps | None = None,
     ) -> None:
-        self.engine = engine
+        self._engine = engine
         # Serve's caps on violations per request and per session; replay reports everything.
         self.caps = caps
         self.exporters = list(exporters)
@@ -45,7 +45,30 @@ class Pipeline:
         self.engine_factory = engine_factory
         self._actions_exporters = [e for e in self.exporters if getattr(e, "wants_actions", False)]
         # The operator view's read model (processor.state.views), fed with every batch when set.
-        self.views: ViewStore | None = None
+        self._views: ViewStore | None = None
+        self._keep_admitted()
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self._engine = engine
+        self._keep_admitted()
+
+    @property
+    def views(self) -> ViewStore | None:
+        return self._views
+
+    @views.setter
+    def views(self, views: ViewStore | None) -> None:
+        self._views = views
+        self._keep_admitted()
+
+    def _keep_admitted(self) -> None:
+        # The engine keeps the identity stage's output only while someone reads it.
+        self._engine.keep_admitted = bool(self._actions_exporters) or self._views is not None
 
     def forget_ended_sessions(self) -> int:
         """Let go of what the pipeline keeps per session (the caps' counts) for sessions the engine ended."""
@@ -60,19 +83,25 @@ class Pipeline:
 
     def evaluate(self, items: Iterable[Action | Malformed | SessionMark]) -> list[Violation]:
         """Evaluate a batch and return what it found, without exporting it (actions still go to their exporters)."""
-        actions: list[Action] = []
-        if self._actions_exporters or self.views is not None:
-            items = list(items)
-            actions = [item for item in items if isinstance(item, Action)]
-            for exporter in self._actions_exporters:
-                exporter.export_actions(actions)
         started = time.perf_counter()
         violations = self.engine.submit_many(items)
         if self.telemetry is not None:
             self.telemetry.evaluation_seconds.observe(time.perf_counter() - started)
         violations = self.capped(violations)
-        self.record_views(actions, violations)
+        self.record_views(self.admitted_actions(), violations)
         return violations
+
+    def admitted_actions(self) -> list[Action]:
+        """The actions the identity stage passed on since the last call, handed to the action exporters.
+
+        The operator view and the action exporters see the records the rules evaluate (sessions
+        and tool-call ids resolved across the trace), not the spans as converted.
+        """
+        actions = self.engine.take_admitted()
+        if actions:
+            for exporter in self._actions_exporters:
+                exporter.export_actions(actions)
+        return actions
 
     def capped(self, violations: list[Violation]) -> list[Violation]:
         """The violations to report of one request or tick (see processor.violation_caps)."""
@@ -86,7 +115,7 @@ class Pipeline:
     def tick(self, now_ns: int) -> list[Violation]:
         """Serve's clock: fire the deadlines that passed in silence."""
         violations = self.capped(self.engine.tick(now_ns))
-        self.record_views((), violations)
+        self.record_views(self.admitted_actions(), violations)
         self.export(violations)
         self.hand_resolutions()
         return violations
@@ -94,7 +123,7 @@ class Pipeline:
     def finish(self) -> list[Violation]:
         """End of a replay's input: release what was held for ordering, fire due deadlines."""
         violations = self.capped(self.engine.finish())
-        self.record_views((), violations)
+        self.record_views(self.admitted_actions(), violations)
         self.export(violations)
         self.hand_resolutions()
         return violations

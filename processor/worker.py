@@ -381,7 +381,7 @@ class EvaluatorWorker:
         try:
             with self._sql.unit():
                 violations = self._pipeline.capped(self._pipeline.engine.finish())
-                self._pipeline.record_views((), violations)
+                self._pipeline.record_views(self._pipeline.admitted_actions(), violations)
                 self._outbox.add_in_unit(violations, fresh.extend)
         except StateError as exc:
             self._count_failure(exc)
@@ -815,7 +815,7 @@ class EvaluatorWorker:
         try:
             with store.unit():
                 violations = self._pipeline.capped(self._pipeline.engine.tick(time.time_ns()))
-                self._pipeline.record_views((), violations)
+                self._pipeline.record_views(self._pipeline.admitted_actions(), violations)
                 if self._ahead:
                     # As for evaluated requests (_evaluate_some): out before the state is written.
                     ahead = self._outbox.add_now(violations)

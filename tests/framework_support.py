@@ -40,6 +40,7 @@ from processor.convert.options import ConvertOptions
 from processor.convert.spans import SpanConverter
 from processor.records import Action
 from tests._spans import otlp_json_from_request
+from tests.convert_parity import assert_convert_agrees_with_replay
 from tests.fake_openai import Script, scripted_openai
 from tests.serve_support import Key, config_file, keys_of, read_jsonl, running, serve_config, wait_for
 
@@ -160,4 +161,5 @@ def serve_and_replay(tmp_path: Path, processes: Sequence[Process], convert: Mapp
         cli.main(["replay", "--format", "json", "--config", str(config_file(tmp_path, extra)), str(dump)])
     replayed = {(v["rule"], v["session_id"], v["action_id"]) for v in orjson.loads(out.getvalue())["violations"]}
     assert served == replayed
+    assert_convert_agrees_with_replay(dump, config_file(tmp_path, extra))
     return served

@@ -27,6 +27,7 @@ from opentelemetry.trace import Tracer
 
 from processor import cli
 from tests._spans import otlp_json_from_request
+from tests.convert_parity import assert_convert_agrees_with_replay
 from tests.fake_openai import FakeOpenAI, ToolCall, fake_openai
 from tests.serve_support import keys_of, read_jsonl, running, serve_config, wait_for
 
@@ -82,6 +83,7 @@ def replay_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[st
     capsys.readouterr()
     cli.main(["replay", "--format", "json", str(tmp_path / "dump.otlp.jsonl")])
     report: dict[str, Any] = orjson.loads(capsys.readouterr().out)
+    assert_convert_agrees_with_replay(tmp_path / "dump.otlp.jsonl")
     return report
 
 

@@ -825,6 +825,10 @@ class Engine:
         self._open_waits: dict[Wait, None] = {}
         # Violation ids of fired waits resolved since the last take_resolutions().
         self._resolutions: list[str] = []
+        # The identity stage's output (actions with their sessions and call ids resolved), kept for
+        # take_admitted() while a reader wants it: the operator view and the action exporters.
+        self.keep_admitted = False
+        self._admitted: list[Action] = []
 
         self._state = self._restore()
         self._identity = IdentityResolver(self._state.identity, self._lateness_ns)
@@ -879,6 +883,16 @@ class Engine:
         wm = self._state.watermark_ns
         return None if wm == _NEVER else wm
 
+    def take_admitted(self) -> list[Action]:
+        """Actions the identity stage passed on since the last call (``keep_admitted`` on), in order.
+
+        These are the records the rules evaluate: sessions and tool-call ids named elsewhere in
+        the trace already filled in, whatever the reordering window then holds back.
+        """
+        taken = self._admitted
+        self._admitted = []
+        return taken
+
     def take_resolutions(self) -> list[str]:
         """Violation ids resolved since the last call (a fired wait that finally resolved), oldest first."""
         taken = self._resolutions
@@ -895,8 +909,11 @@ class Engine:
         if self._serve:
             self._now_ns = max(self._now_ns, self._clock())
         # Sessions and tool-call ids named elsewhere in the trace first (processor.evaluate.identity).
+        keep = self.keep_admitted
         for item in self._identity.admit(items, self._now_ns):
             if isinstance(item, Action):
+                if keep:
+                    self._admitted.append(item)
                 self._submit_action(item, out)
             else:
                 self._submit_malformed(item, out)
@@ -912,6 +929,8 @@ class Engine:
         if self._serve:
             self._now_ns = max(self._now_ns, now_ns)
             for action in self._identity.release_due(self._now_ns):
+                if self.keep_admitted:
+                    self._admitted.append(action)
                 self._submit_action(action, out)
             self._advance_wall(out)
         self._end_batch()
@@ -928,6 +947,8 @@ class Engine:
         if self._serve:
             self._now_ns = max(self._now_ns, self._clock())
         for action in self._identity.release_all():
+            if self.keep_admitted:
+                self._admitted.append(action)
             self._submit_action(action, out)
         while state.buffer:
             self._release_one(out)

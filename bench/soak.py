@@ -58,6 +58,8 @@ from processor.records import bounded_text
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 TOKEN: Final = "soak-token-0123456789"
+# Rotated violation files serve keeps (64 MiB each): room for every violation of an hour's soak.
+JSONL_ROTATED_KEPT: Final = 200
 PROTOBUF: Final = {"Content-Type": "application/x-protobuf"}
 SPANS_PER_REQUEST_LIMIT: Final = 2000
 # serve's open-file limit in the soak (soft and hard): the common default, which 1,100 connections pass.
@@ -204,7 +206,9 @@ class Soak:
             "evaluate": {"tick_interval": "100ms", "allowed_lateness": "500ms"},
             "state": {"backend": "sqlite", "path": str(self.workdir / "state.db")},
             "ui": {"endpoint": f"127.0.0.1:{self.ui_port}", "auth": dict(auth), "connections": limits()},
-            "exporters": {"jsonl": {"path": str(self.jsonl)},
+            # Every violation file kept: the count of what was evaluated reads them all, and an hour of
+            # this load writes more than the default five rotated copies hold.
+            "exporters": {"jsonl": {"path": str(self.jsonl), "rotate_keep": JSONL_ROTATED_KEPT},
                           "prometheus": {"endpoint": f"127.0.0.1:{self.metrics_port}", "auth": dict(auth),
                                          "connections": limits()}},
         }
@@ -550,9 +554,10 @@ class Soak:
                 self._stop.wait(0.5)
 
     def _evaluated(self) -> set[tuple[str, str]]:
-        """DS002 keys in the JSONL output and its rotated copies (default rotate_keep: 5)."""
+        """DS002 keys in the JSONL output and its rotated copies (rotate_keep: JSONL_ROTATED_KEPT)."""
         found: set[tuple[str, str]] = set()
-        for path in [self.jsonl, *(self.jsonl.with_name(f"{self.jsonl.name}.{i}") for i in range(1, 6))]:
+        rotated = (self.jsonl.with_name(f"{self.jsonl.name}.{i}") for i in range(1, JSONL_ROTATED_KEPT + 1))
+        for path in [self.jsonl, *rotated]:
             if not path.exists():
                 continue
             with path.open("rb") as handle:

@@ -61,8 +61,9 @@ VOLUME ["/var/lib/durable-check", "/tmp"]
 WORKDIR /var/lib/durable-check
 USER 10001:10001
 
-# OTLP/gRPC, OTLP/HTTP (and /healthz, /readyz), Prometheus metrics.
-EXPOSE 4317 4318 9464
+# OTLP/gRPC, OTLP/HTTP (and /healthz, /readyz), Prometheus metrics, and the operator view
+# (off in config/container.yaml; ui.endpoint 0.0.0.0:4319 with a token turns it on).
+EXPOSE 4317 4318 9464 4319
 
 # slim has no curl: Python asks the HTTP receiver for /healthz (exit 1 on any failure).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \

@@ -214,7 +214,10 @@ def test_ports_healthcheck_and_labels(runtime: list[Instruction]) -> None:
         config["receivers"]["otlp"]["http"]["endpoint"].rpartition(":")[2],
         config["exporters"]["prometheus"]["endpoint"].rpartition(":")[2],
     }
-    assert exposed == config_ports == {"4317", "4318", "9464"}
+    assert config_ports == {"4317", "4318", "9464"}
+    # The operator view's port too: off in the image's configuration, on the chart's `ui` port when enabled.
+    chart_values = yaml.safe_load((REPO / "deploy/helm/durable-check/values.yaml").read_text(encoding="utf-8"))
+    assert exposed == config_ports | {str(chart_values["ui"]["containerPort"])}
     flags, words = flags_and_rest(only(runtime, "HEALTHCHECK").args)
     assert {"interval", "timeout", "retries"} <= set(flags)
     assert words[0] == "CMD"

@@ -421,6 +421,11 @@ def kubelet_env(container: dict[str, Any], pod_name: str, sources: Mapping[str, 
     return env
 
 
+def container_ports(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    ports: list[dict[str, Any]] = workload(objects)["spec"]["template"]["spec"]["containers"][0]["ports"]
+    return ports
+
+
 def container_of(values: dict[str, Any]) -> dict[str, Any]:
     container: dict[str, Any] = workload(manifests(values))["spec"]["template"]["spec"]["containers"][0]
     return container
@@ -436,7 +441,8 @@ def test_each_pod_names_itself_in_its_otlp_resource(values: dict[str, Any]) -> N
     assert names.count("OTEL_RESOURCE_ATTRIBUTES") == 1
     # Every Secret and ConfigMap key the value sets name.
     sources = {"otel-resource/attributes": "k8s.cluster.name=eu-1", "hook/token": "t", "pg/url": "postgresql://",
-               "token/token": "t", "durable-check-postgres/dsn": "postgresql://", "durable-check-token/token": "t"}
+               "token/token": "t", "durable-check-postgres/dsn": "postgresql://", "durable-check-token/token": "t",
+               "durable-check-view/token": "t"}
     for pod in ("example-durable-check-0", "example-durable-check-1"):
         resource = resource_attributes(kubelet_env(container, pod, sources))
         assert resource["service.instance.id"] == pod
@@ -761,6 +767,14 @@ def run_chart_configuration(values: dict[str, Any], workdir: Path, secret_env: d
     if values.get("auth", {}).get("enabled"):
         env_extra["DURABLE_CHECK_BEARER_TOKEN"] = "test-token-for-the-chart"
         headers["authorization"] = "Bearer test-token-for-the-chart"
+    view_port = None
+    if values.get("ui", {}).get("enabled"):
+        # The port the chart names `ui` on the pod, as the Service's `ui` port targets it.
+        view_port = next(port["containerPort"] for port in container_ports(objects) if port["name"] == "ui")
+        service = next(s for s in by_kind(objects, "Service") if s["spec"].get("clusterIP") != "None")
+        assert any(port["name"] == "ui" and port["targetPort"] == "ui" for port in service["spec"]["ports"])
+        if values["ui"].get("auth", {}).get("existingSecret"):
+            env_extra["DURABLE_CHECK_UI_TOKEN"] = "view-token-for-the-chart"
 
     expected = {("DS002", "critical", "checkout-agent"): 1.0}
     if "payments.yaml" in values.get("rules", {}):
@@ -801,6 +815,14 @@ def run_chart_configuration(values: dict[str, Any], workdir: Path, secret_env: d
         metrics_url = f"http://127.0.0.1:{ports[9464]}/metrics"
         wait_until(lambda: violation_counts(httpx.get(metrics_url, timeout=5).text) == expected,
                    timeout_s=40, interval_s=0.2, what=f"the violation counters {expected}")
+        if view_port is not None:
+            # The operator view, reached through the port the chart names, lists the same violation.
+            view = f"{scheme}://127.0.0.1:{ports[view_port]}/api/v1/violations"
+            token = {"authorization": "Bearer view-token-for-the-chart"}
+            assert client.get(view).status_code == 401
+            rules = sorted(rule for rule, _, _ in expected)
+            wait_until(lambda: sorted(v["rule"] for v in client.get(view, headers=token).json()["items"]) == rules,
+                       timeout_s=20, interval_s=0.2, what=f"{rules} on the operator view")
         if prometheus is not None:
             wait_until(lambda: firing(prometheus.url, "DurableCheckCriticalViolation", "DS002"),
                        timeout_s=40, interval_s=0.5, what="DurableCheckCriticalViolation firing in Prometheus")

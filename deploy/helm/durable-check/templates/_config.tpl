@@ -6,7 +6,8 @@ Three layers, later ones winning:
   2. .Values.config;
   3. what must agree with the rest of the chart: receiver endpoints from ports, TLS and
      auth from their Secrets, the state backend from mode, the metrics endpoint from
-     ports.metrics, and the rule files mounted from the ConfigMap (user paths appended).
+     ports.metrics, the operator view's endpoint and token from ui, and the rule files
+     mounted from the ConfigMap (user paths appended).
 */}}
 {{- define "durable-check.configDict" -}}
 {{- $data := include "durable-check.dataDir" . }}
@@ -39,6 +40,17 @@ Three layers, later ones winning:
 
 {{- if .Values.ports.metrics.enabled }}
 {{- $_ := set $owned "exporters" (dict "prometheus" (dict "endpoint" (printf "0.0.0.0:%d" (int .Values.ports.metrics.containerPort)))) }}
+{{- end }}
+
+{{- if .Values.ui.enabled }}
+{{- $ui := dict "endpoint" (printf "0.0.0.0:%d" (int .Values.ui.containerPort)) }}
+{{- if .Values.tls.enabled }}
+{{- $_ := set $ui "tls" (dict "cert_file" (printf "%s/tls.crt" $tlsDir) "key_file" (printf "%s/tls.key" $tlsDir)) }}
+{{- end }}
+{{- if .Values.ui.auth.existingSecret }}
+{{- $_ := set $ui "auth" (dict "bearer_token" "${env:DURABLE_CHECK_UI_TOKEN}") }}
+{{- end }}
+{{- $_ := set $owned "ui" $ui }}
 {{- end }}
 {{- $config = mustMergeOverwrite $config $owned }}
 

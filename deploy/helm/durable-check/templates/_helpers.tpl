@@ -146,6 +146,21 @@ in a way the schema cannot express.
 {{- if and .Values.ports.metrics.enabled (hasKey (((.Values.config.exporters).prometheus) | default dict) "endpoint") }}
 {{- fail "config.exporters.prometheus.endpoint: set by the chart from ports.metrics.containerPort; remove it from config" }}
 {{- end }}
+{{- $uiConfig := (.Values.config.ui) | default dict }}
+{{- range $key := list "endpoint" "tls" "auth" }}
+{{- if hasKey $uiConfig $key }}
+{{- fail (printf "config.ui.%s: set by the chart; use ui.enabled, ui.containerPort, tls.enabled and ui.auth.existingSecret" $key) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.ui.ingress.enabled (not .Values.ui.enabled) }}
+{{- fail "ui.ingress.enabled needs ui.enabled: the Ingress sends to the view's port" }}
+{{- end }}
+{{- if and .Values.ui.ingress.enabled (not .Values.ui.ingress.host) }}
+{{- fail "ui.ingress.host: the Ingress needs the host name it answers for" }}
+{{- end }}
+{{- if and .Values.ui.ingress.enabled (not .Values.ui.auth.existingSecret) (not .Values.ui.ingress.allowWithoutToken) }}
+{{- fail "ui.ingress.enabled: the view would answer anyone who reaches the Ingress; set ui.auth.existingSecret (the authenticating proxy in front adds the token), or ui.ingress.allowWithoutToken when the ingress controller authenticates every request itself" }}
+{{- end }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.ports.metrics.enabled) }}
 {{- fail "serviceMonitor.enabled needs ports.metrics.enabled: the ServiceMonitor scrapes that port" }}
 {{- end }}

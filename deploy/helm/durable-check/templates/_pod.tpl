@@ -48,6 +48,11 @@ spec:
           containerPort: {{ .Values.ports.metrics.containerPort }}
           protocol: TCP
         {{- end }}
+        {{- if .Values.ui.enabled }}
+        - name: ui
+          containerPort: {{ .Values.ui.containerPort }}
+          protocol: TCP
+        {{- end }}
       env:
         # The pod's name tells the replicas apart in the violation spans and OTLP metrics
         # they push (service.instance.id in OTEL_RESOURCE_ATTRIBUTES, below).
@@ -55,7 +60,7 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: metadata.name
-        {{- if or (eq .Values.mode "deployment") .Values.auth.enabled }}
+        {{- if or (eq .Values.mode "deployment") .Values.auth.enabled (and .Values.ui.enabled .Values.ui.auth.existingSecret) }}
         # Secrets reach the configuration as ${env:VAR}, never through the ConfigMap.
         {{- end }}
         {{- if eq .Values.mode "deployment" }}
@@ -71,6 +76,13 @@ spec:
             secretKeyRef:
               name: {{ .Values.auth.existingSecret }}
               key: {{ .Values.auth.key }}
+        {{- end }}
+        {{- if and .Values.ui.enabled .Values.ui.auth.existingSecret }}
+        - name: DURABLE_CHECK_UI_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ .Values.ui.auth.existingSecret }}
+              key: {{ .Values.ui.auth.key }}
         {{- end }}
         {{- /* extraEnv, except OTEL_RESOURCE_ATTRIBUTES: that one is merged into the chart's, last. */}}
         {{- $resourceAttributes := list "service.instance.id=$(POD_NAME)" }}

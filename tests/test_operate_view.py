@@ -18,6 +18,7 @@ from playwright.sync_api import Browser, expect
 from processor.serve import Server
 from tests.browser_support import browser, interactive_roles, screenshot, unlabelled_controls
 from tests.serve_support import emit_durable_spans, running, serve_config
+from tests.servers import wait_until
 
 __all__ = ["browser"]
 
@@ -204,6 +205,24 @@ def test_security_headers_and_bounded_pages(server: Server) -> None:
     assert _api(server, "/api/v1/violations?offset=999999").status_code == 400
     assert _api(server, "/api/v1/sessions/nobody").status_code == 404
     assert httpx.post(f"http://127.0.0.1:{server.ui.port}/api/v1/waiting").status_code == 405  # type: ignore[union-attr]
+
+
+def test_violation_filters_hold_for_the_counts_and_an_unknown_severity_is_refused(server: Server) -> None:
+    emit_durable_spans(_provider(server), "s-filters")  # DS002, DS003, DS005, DS006
+    counts = wait_until(lambda: (c := _api(server, "/api/v1/violations").json()["counts"]) and len(c) >= 2 and c,
+                        timeout_s=20, interval_s=0.2, what="violations of several rules in the view")
+    rule = counts[0]["rule"]
+    filtered = _api(server, f"/api/v1/violations?rule={rule}").json()
+    assert filtered["counts"] == [c for c in counts if c["rule"] == rule]
+    assert filtered["items"] and all(v["rule"] == rule for v in filtered["items"])
+    # A rule with no violation: an empty list and no counts (the counts used to list every rule).
+    assert _api(server, "/api/v1/violations?rule=DS999").json()["counts"] == []
+    severity = counts[0]["severity"]
+    by_severity = _api(server, f"/api/v1/violations?severity={severity}").json()["counts"]
+    assert by_severity == [c for c in counts if c["severity"] == severity]
+    bogus = _api(server, "/api/v1/violations?severity=bogus")
+    assert bogus.status_code == 400
+    assert bogus.json()["error"] == "query parameter severity must be one of critical, error, warning, info"
 
 
 def test_auth_refuses_requests_without_the_token(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from processor.operate.pipeline_status import pipeline_status
 from processor.receive.otlp_common import bearer_token_ok
 from processor.state.views import MAX_OFFSET, MAX_PAGE, ViewStore, ViolationFilter
 from processor.telemetry import Telemetry
+from processor.violations import SEVERITIES
 
 JSON: Final = "application/json"
 CSP: Final = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self';"
@@ -156,10 +157,16 @@ def build_app(cfg: UiConfig, ctx: ViewContext) -> FastAPI:
     def api_violations(request: Request) -> Response:
         limit = _int_arg(request, "limit", _PAGE_SIZE, 1, MAX_PAGE)
         offset = _int_arg(request, "offset", 0, 0, MAX_OFFSET)
-        where = ViolationFilter(rule=_text_arg(request, "rule"), severity=_text_arg(request, "severity"),
+        severity = _text_arg(request, "severity")
+        if severity and severity not in SEVERITIES:
+            raise _BadQuery(f"query parameter severity must be one of {', '.join(SEVERITIES)}")
+        where = ViolationFilter(rule=_text_arg(request, "rule"), severity=severity,
                                 session_id=_text_arg(request, "session"))
         items = ctx.views.violations(where, limit, offset)
-        return _json({"limit": limit, "offset": offset, "items": items, "counts": ctx.views.rule_counts(),
+        # The counts answer the same filter as the list (by rule and severity: counts are not kept per session).
+        counts = [c for c in ctx.views.rule_counts()
+                  if (not where.rule or c["rule"] == where.rule) and (not severity or c["severity"] == severity)]
+        return _json({"limit": limit, "offset": offset, "items": items, "counts": counts,
                       "rules": rules, "setup": ctx.setup})
 
     @app.get("/api/v1/sessions/{session_id:path}")

@@ -91,6 +91,8 @@ def _command(args: argparse.Namespace) -> int:
         sys.stderr.write(f"durable-check: {exc}\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
+        # Ctrl-C: one line, so an interrupted run is not mistaken for one that ended (serve stops on its own).
+        sys.stderr.write(f"durable-check: {args.command} interrupted; what it wrote so far is incomplete\n")
         return 130
     except BrokenPipeError:
         # Output piped into `head` and closed early: not an error of ours.

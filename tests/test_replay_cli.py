@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +15,8 @@ import orjson
 import pytest
 
 from processor import cli
+
+REPO = Path(__file__).resolve().parent.parent
 
 FIXTURES = Path(__file__).parent / "testdata" / "skill-fixtures"
 SPANS_JSONL = Path(__file__).parent / "testdata" / "readers" / "spans.otlp.jsonl"
@@ -228,3 +234,23 @@ def test_the_quick_exit_writes_what_is_buffered_or_says_why_it_cannot(output: st
         assert done.returncode == 2
         assert done.stderr.decode().splitlines()[-1] == (
             "durable-check: cannot write to standard output (No space left on device)")
+
+
+def test_ctrl_c_during_a_long_replay_says_so_in_one_line_and_exits_130(tmp_path: Path) -> None:
+    import signal
+
+    log = tmp_path / "long.jsonl"
+    subprocess.run([sys.executable, "-m", "bench.generate", "actions", "--records", "400000", str(log)],
+                   cwd=REPO, check=True, capture_output=True, timeout=120)
+    replay = subprocess.Popen([sys.executable, "-m", "processor.cli", "replay", "--full-engine", str(log)],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        time.sleep(1.5)  # well inside the replay: 400,000 lines take many seconds on the full engine
+        assert replay.poll() is None, "the replay ended before it could be interrupted"
+        replay.send_signal(signal.SIGINT)
+        _, stderr = replay.communicate(timeout=30)
+    finally:
+        replay.kill()
+    assert replay.returncode == 130
+    assert stderr.strip() == "durable-check: replay interrupted; what it wrote so far is incomplete"

@@ -204,6 +204,9 @@ def test_security_headers_and_bounded_pages(server: Server) -> None:
     assert too_many.status_code == 400 and "limit" in too_many.json()["error"]
     assert _api(server, "/api/v1/violations?offset=999999").status_code == 400
     assert _api(server, "/api/v1/sessions/nobody").status_code == 404
+    icon = _api(server, "/favicon.ico")  # browsers ask for it on every page
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+    assert icon.content == _api(server, "/static/favicon.svg").content
     assert httpx.post(f"http://127.0.0.1:{server.ui.port}/api/v1/waiting").status_code == 405  # type: ignore[union-attr]
 
 

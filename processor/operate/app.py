@@ -38,7 +38,8 @@ SECURITY_HEADERS: Final = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-_ASSETS: Final = {"view.js": "text/javascript; charset=utf-8", "view.css": "text/css; charset=utf-8"}
+_ASSETS: Final = {"view.js": "text/javascript; charset=utf-8", "view.css": "text/css; charset=utf-8",
+                  "favicon.svg": "image/svg+xml"}
 _PAGE_SIZE: Final = 50
 # Violations listed on a session page (its counts come from the session row).
 _SESSION_VIOLATIONS: Final = 500
@@ -139,6 +140,12 @@ def build_app(cfg: UiConfig, ctx: ViewContext) -> FastAPI:
         if found is None:
             return Response(orjson.dumps({"error": "not found"}), 404, media_type=JSON)
         return Response(found[0], 200, media_type=found[1])
+
+    @app.get("/favicon.ico")
+    def favicon() -> Response:
+        # Browsers ask for it whatever the page links: the view's icon, not a 404 in every console.
+        body, media = assets["favicon.svg"]
+        return Response(body, 200, media_type=media)
 
     @app.get("/healthz")
     def healthz() -> Response:

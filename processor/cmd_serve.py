@@ -19,8 +19,9 @@ def register(subparsers: Any) -> None:
         help="receive OTLP traces and check sessions continuously",
         description=(
             "Receive spans over OTLP (gRPC and HTTP), check them as they arrive, and export violations. "
-            "Without --config, listens on 127.0.0.1:4317 (gRPC) and 127.0.0.1:4318 (HTTP) and writes "
-            "violations to ./durable-check-data/violations.jsonl."
+            "Without --config, listens on 127.0.0.1:4317 (gRPC) and 127.0.0.1:4318 (HTTP), writes "
+            "violations to ./durable-check-data/violations.jsonl, and serves the operator view (what waits, "
+            "violations, each session's story) on http://127.0.0.1:4319 (ui.endpoint; docs/operate.md)."
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="configuration file (YAML); default: built-in defaults")

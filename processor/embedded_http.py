@@ -27,6 +27,23 @@ from processor.receive.otlp_common import RefusalLog
 
 logger = logging.getLogger(__name__)
 
+
+class _ProcessLines(logging.Filter):
+    """uvicorn's lines about its process, which every embedded server would print again.
+
+    serve says once what listens where; the same "Started server process" from each server
+    only repeats it. uvicorn's warnings and errors still pass.
+    """
+
+    _SAID_BY_SERVE = ("Started server process", "Finished server process", "Shutting down",
+                      "Waiting for application", "Application startup complete", "Application shutdown complete")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or not str(record.msg).startswith(self._SAID_BY_SERVE)
+
+
+logging.getLogger("uvicorn.error").addFilter(_ProcessLines())
+
 _STARTUP_TIMEOUT_S: Final = 30.0
 
 

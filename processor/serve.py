@@ -27,6 +27,7 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Final
 
 from processor.config import Config
@@ -201,6 +202,8 @@ class Server:
             logger.info("operator view on %s://%s", "https" if self.config.ui.tls.enabled else "http",
                         _with_port(self.config.ui.endpoint, self.ui.port))
             logger.info("operator view: %s", describe_protection(self.config.ui.tls, self.config.ui.auth))
+        for line in _where_to_look(self.config, self.http_port, self.grpc_port):
+            logger.info("%s", line)
         if self.forwarder is not None:
             fwd = self.config.forward
             logger.info("processor mode: forwarding every span to %s over %s (headers: %s)",
@@ -261,6 +264,33 @@ class Server:
 
 def _with_port(endpoint: str, port: int) -> str:
     return f"{endpoint.rpartition(':')[0]}:{port}"
+
+
+# Listening on every interface; never bound here, only named in a start-up line.
+_WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "[::]", "::", ""})  # noqa: S104
+
+
+def _reachable(endpoint: str, port: int) -> str:
+    """An endpoint as an agent on this machine dials it: a wildcard address is this machine's loopback."""
+    host = endpoint.rpartition(":")[0]
+    return f"{'127.0.0.1' if host in _WILDCARD_HOSTS else host}:{port}"
+
+
+def _where_to_look(config: Config, http_port: int, grpc_port: int) -> list[str]:
+    """What a user starting serve needs next: what to set in the agents, where the violations go."""
+    receivers = config.receivers.otlp
+    lines = []
+    if receivers.http.endpoint:
+        scheme = "https" if receivers.http.tls.enabled else "http"
+        lines.append(f"agents: OTEL_EXPORTER_OTLP_ENDPOINT={scheme}://{_reachable(receivers.http.endpoint, http_port)}")
+    elif receivers.grpc.endpoint:
+        scheme = "https" if receivers.grpc.tls.enabled else "http"
+        lines.append("agents: OTEL_EXPORTER_OTLP_PROTOCOL=grpc "
+                     f"OTEL_EXPORTER_OTLP_ENDPOINT={scheme}://{_reachable(receivers.grpc.endpoint, grpc_port)}")
+    jsonl = config.exporters.jsonl.path
+    if jsonl:
+        lines.append(f"violations: {Path(jsonl).resolve()} (JSONL)")
+    return lines
 
 
 async def serve_until_signalled(server: Server, shutdown_timeout_s: float = 30.0) -> None:

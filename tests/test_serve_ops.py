@@ -397,3 +397,17 @@ def test_queue_is_bounded_by_requests_and_spans_and_refuses_after_close() -> Non
     assert [queue_.get(0.1) is not None for _ in range(2)] == [True, True]
     assert queue_.get(0.1) is None
     assert queue_.drained()
+
+
+def test_start_up_says_what_to_set_in_the_agents_and_where_violations_go_once(tmp_path: Path) -> None:
+    from tests.serve_process import serve_process
+
+    with serve_process(tmp_path) as served:
+        wait_for(lambda: "violations:" in served.log_text(), 10)
+    log = served.log_text()  # after the stop, which uvicorn also used to announce per server
+    lines = [line.split(": ", 1)[1] for line in log.splitlines() if " INFO " in line]
+    assert f"agents: OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:{served.http_port}" in lines
+    assert f"violations: {tmp_path / 'violations.jsonl'} (JSONL)" in lines
+    assert f"operator view on http://127.0.0.1:{served.ui_port}" in lines
+    # Each embedded server (receiver, view, metrics) used to print uvicorn's own process lines again.
+    assert "Started server process" not in log and "Finished server process" not in log

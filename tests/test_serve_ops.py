@@ -411,3 +411,23 @@ def test_start_up_says_what_to_set_in_the_agents_and_where_violations_go_once(tm
     assert f"operator view on http://127.0.0.1:{served.ui_port}" in lines
     # Each embedded server (receiver, view, metrics) used to print uvicorn's own process lines again.
     assert "Started server process" not in log and "Finished server process" not in log
+
+
+def test_a_grpc_port_in_use_is_one_clear_line_and_exit_2(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = config_file(tmp_path, {"receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{port}"}}}})
+        done = subprocess.run([sys.executable, "-m", "processor.cli", "serve", "--config", str(config)],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.returncode == 2
+    problems = [line for line in done.stderr.splitlines() if " INFO " not in line and " WARNING " not in line]
+    # Only our line: no raw line from gRPC's C core before it.
+    assert problems == [f"durable-check: cannot start the receivers: receivers.otlp.grpc.endpoint: cannot listen on "
+                        f"127.0.0.1:{port}: Address already in use"]

@@ -36,6 +36,7 @@ from grpc_health.v1._async import HealthServicer
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from processor.config import GrpcReceiverConfig
+from processor.embedded_http import bind_listener
 from processor.open_files import listener_share
 from processor.receive.budget import BudgetSpent, ByteBudget, Claim
 from processor.receive.otlp_common import (
@@ -129,6 +130,9 @@ class OTLPGrpcReceiver:
         )
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(TRACE_SERVICE, {"Export": handler}),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if not self._cfg.endpoint.endswith(":0"):
+            # A port in use is said in our words before gRPC's C core logs its own raw line about it.
+            bind_listener(self._cfg.endpoint, "receivers.otlp.grpc.endpoint", 1).close()
         try:
             if self._cfg.tls.enabled:
                 port = server.add_secure_port(self._cfg.endpoint, _server_credentials(self._cfg))

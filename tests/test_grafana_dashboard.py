@@ -117,3 +117,14 @@ def test_chart_ships_the_dashboard_for_the_grafana_sidecar_only_when_enabled() -
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(configmap["data"]["durable-check.json"]) == _dashboard()
     assert (CHART / "files/grafana-dashboard.json").read_bytes() == DASHBOARD.read_bytes()
+
+
+def test_dashboard_links_the_operator_view_where_waits_and_violations_are_drawn() -> None:
+    dashboard = _dashboard()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["view_url"]["type"] == "textbox"
+    assert variables["view_url"]["query"] == "http://127.0.0.1:4319"  # serve's default ui.endpoint
+    assert {link["url"] for link in dashboard["links"]} == {"${view_url}/", "${view_url}/violations"}
+    linked = {p["title"]: p["links"][0]["url"] for p in dashboard["panels"] if p.get("links")}
+    assert linked["Open waits by state"] == linked["Oldest open wait"] == "${view_url}/"
+    assert linked["Violations per second by rule"] == "${view_url}/violations"

@@ -29,7 +29,9 @@ from processor.configfmt import (
     check_url,
     decode,
     expand_env,
+    key_places,
     load_yaml_strict,
+    placed,
 )
 from processor.convert.options import ConvertOptions, ToolKindRule
 from processor.errors import ConfigError, Problem
@@ -470,7 +472,7 @@ def parse_config(
     if sections is None:
         problems.extend(check_paths(config))
     if problems:
-        raise ConfigError(problems, f"invalid configuration in {where}:")
+        raise ConfigError(placed(problems, key_places(text, where)), f"invalid configuration in {where}:")
     return config
 
 

@@ -379,3 +379,47 @@ def load_yaml_strict(text: str, where: str) -> Any:
         raise YamlProblem(place, f"invalid YAML: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise YamlProblem(where, f"invalid YAML: {exc}") from None
+
+
+def key_places(text: str, where: str) -> dict[str, str]:
+    """``file:line:col`` of every key and list item of a configuration document, by config path.
+
+    Paths are those the decoder names (``receivers.otlp.grpc.endpoint``, ``evaluate.rules[0]``).
+    Only called once a document has problems: a valid configuration never pays for it.
+    """
+    places: dict[str, str] = {}
+
+    def walk(node: yaml.Node, path: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = str(key_node.value)
+                child = f"{path}.{key}" if path else key
+                mark = key_node.start_mark
+                places[child] = f"{where}:{mark.line + 1}:{mark.column + 1}"
+                walk(value_node, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                child = f"{path}[{index}]"
+                mark = item.start_mark
+                places[child] = f"{where}:{mark.line + 1}:{mark.column + 1}"
+                walk(item, child)
+
+    try:
+        root = yaml.compose(text, Loader=_StrictConfigLoader)
+    except yaml.YAMLError:
+        return places
+    if root is not None:
+        walk(root, "")
+    return places
+
+
+def placed(problems: list[Problem], places: dict[str, str]) -> list[Problem]:
+    """The problems with ``at`` set from their config path, or the nearest enclosing key that is in the file."""
+    out = []
+    for problem in problems:
+        path = problem.where
+        while path and path not in places:
+            cut = max(path.rfind("."), path.rfind("["))
+            path = path[:cut] if cut > 0 else ""
+        out.append(Problem(problem.where, problem.message, places[path]) if path else problem)
+    return out

@@ -6,18 +6,24 @@ exit code, never a traceback.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One problem at one place: ``file:line:col``, a config path, or a span."""
+    """One problem at one place: ``file:line:col``, a config path, or a span.
+
+    ``at``: where a config path's key stands in its file (``file:line:col``), said first
+    when known; two problems at the same path with the same message are the same problem.
+    """
 
     where: str
     message: str
+    at: str = field(default="", compare=False)
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.message}" if self.where else self.message
+        place = f"{self.at}: {self.where}" if self.at and self.where else (self.at or self.where)
+        return f"{place}: {self.message}" if place else self.message
 
 
 class DurableCheckError(Exception):

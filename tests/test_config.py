@@ -76,7 +76,29 @@ def test_bad_file_reports_every_problem_with_its_path(path: Path) -> None:
     expected = set(path.with_suffix(".expected").read_text(encoding="utf-8").splitlines())
     with pytest.raises(ConfigError) as caught:
         load_config(str(path), environ={})
-    assert {str(p) for p in caught.value.problems} == expected
+    problems = caught.value.problems
+    assert {f"{p.where}: {p.message}" for p in problems} == expected
+    # Each is also placed in the file: at its key, or the nearest key above it that is written there.
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for problem in problems:
+        file, line, col = problem.at.rsplit(":", 2)
+        assert file == str(path) and 1 <= int(line) <= len(lines) and int(col) >= 1, problem
+        assert str(problem).startswith(f"{problem.at}: {problem.where}: ")
+
+
+def test_config_problems_name_file_line_and_column_of_their_key() -> None:
+    text = ("receivers:\n  otlp:\n    grpc:\n      max_recv_msg_size: 10\n"
+            "evaluate:\n  rules:\n    - ''\n  tick_interval: 1ms\n"
+            "exporters:\n  jsonl:\n    bogus: 1\n")
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "c.yaml")
+    assert sorted(str(p) for p in caught.value.problems) == sorted([
+        "c.yaml:4:7: receivers.otlp.grpc.max_recv_msg_size: must be at least 1KiB",
+        "c.yaml:7:7: evaluate.rules[0]: empty path",
+        "c.yaml:8:3: evaluate.tick_interval: must be at least 10ms",
+        "c.yaml:11:5: exporters.jsonl.bogus: unknown key; allowed: actions, actions_path, dedupe_ids, fsync, "
+        "max_attempts, max_queue, path, rotate_hold_max_size, rotate_keep, rotate_max_size",
+    ])
 
 
 def test_yaml_syntax_error_names_file_line_and_column() -> None:
@@ -133,7 +155,7 @@ def test_sqlite_backend_depends_on_the_build() -> None:
         with pytest.raises(ConfigError) as caught:
             parse_config(text, "s.yaml")
         assert [str(p) for p in caught.value.problems] == [
-            "state.backend: 'sqlite' is not available in this build; use 'memory'"
+            "s.yaml:1:9: state.backend: 'sqlite' is not available in this build; use 'memory'"
         ]
 
 
@@ -158,7 +180,7 @@ def test_forward_grpc_endpoint_may_be_a_url() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config("forward: {endpoint: 'https://collector.internal'}\n", "f.yaml")
     assert [str(p) for p in caught.value.problems] == [
-        "forward.endpoint: must be host:port, got 'collector.internal'"
+        "f.yaml:1:11: forward.endpoint: must be host:port, got 'collector.internal'"
     ]
 
 
@@ -182,9 +204,9 @@ def test_yes_is_not_a_boolean_and_durations_are_bounded() -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(text, "cfg.yaml")
     assert [str(p) for p in info.value.problems] == [
-        "evaluate.strict: must be true or false, got a string",
-        "evaluate.allowed_lateness: must be a duration from 0 to 3660d",
-        "evaluate.session_idle_timeout: must be a duration from 0 to 3660d",
+        "cfg.yaml:2:3: evaluate.strict: must be true or false, got a string",
+        "cfg.yaml:3:3: evaluate.allowed_lateness: must be a duration from 0 to 3660d",
+        "cfg.yaml:4:3: evaluate.session_idle_timeout: must be a duration from 0 to 3660d",
     ]
 
 
@@ -195,8 +217,8 @@ def test_durations_name_their_units_largest_first_each_once() -> None:
         parse_config("evaluate:\n  allowed_lateness: 30s1m\n  session_idle_timeout: 1h1h\n", "cfg.yaml")
     order = "(units go from largest to smallest, each once; e.g. 1h30m)"
     assert [str(p) for p in info.value.problems] == [
-        f"evaluate.allowed_lateness: not a duration: '30s1m' {order}",
-        f"evaluate.session_idle_timeout: not a duration: '1h1h' {order}",
+        f"cfg.yaml:2:3: evaluate.allowed_lateness: not a duration: '30s1m' {order}",
+        f"cfg.yaml:3:3: evaluate.session_idle_timeout: not a duration: '1h1h' {order}",
     ]
 
 

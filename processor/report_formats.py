@@ -52,11 +52,12 @@ def _sessions_by_input(report: Report, views: MemoryViews) -> dict[str, list[str
 
 def write_html(report: Report, views: MemoryViews, rules: RuleSet, out: TextIO) -> None:
     violations = [v.to_json() for v in report.ordered()]
-    sessions = [{"session_id": sid, "actions": views.session_actions(sid)} for sid in views.session_ids()]
+    sessions = [{"session_id": sid, "actions": views.session_actions(sid)} for sid in views.session_ids() if sid]
     known = {s["session_id"] for s in sessions}
-    # A session known only from its violations (e.g. malformed input) still gets its section.
+    # A session known only from its violations still gets its section; a line that could not be read
+    # (DS000, no session) is no session: the report lists it apart, by input and line.
     sessions += [{"session_id": sid, "actions": []} for sid in dict.fromkeys(v["session_id"] for v in violations)
-                 if sid not in known]
+                 if sid and sid not in known]
     data = {
         "inputs": report.inputs,
         "summary": {"actions": report.actions, "malformed": report.malformed, "duplicates": report.duplicates},

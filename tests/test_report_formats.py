@@ -67,6 +67,36 @@ def test_html_report_opens_from_disk_and_shows_what_json_shows(tmp_path: Path, b
         page.close()
 
 
+def test_html_report_counts_sessions_as_the_text_report_and_places_unreadable_lines(
+        tmp_path: Path, browser: Browser) -> None:
+    log = tmp_path / "mixed.jsonl"
+    log.write_text('{"session_id":"s1","action_id":"a1","kind":"payment","status":"ok"}\n'
+                   "not json\n"
+                   '{"session_id":"s2","action_id":"b1","kind":"llm_call","status":"ok","result":"x"}\n',
+                   encoding="utf-8")
+    expected = _json_report(tmp_path, log)
+    code, html = _replay(tmp_path, "html", log)
+    assert code == 1
+    page = browser.new_page()
+    try:
+        page.goto(html.as_uri())
+        facts = page.locator("dl.facts")
+        expect(facts.locator("dt", has_text="Sessions").locator("xpath=following-sibling::dd[1]")).to_have_text(
+            str(len(expected["sessions"])))  # 2, as the text and JSON reports say: the unread line is no session
+        shown = {s.get_attribute("data-session") for s in page.locator("section.session").all()}
+        assert shown == {"s1", "s2"}
+        # The malformed line is listed apart, by input and line, and not under any action.
+        unread = page.locator("table", has=page.locator("caption", has_text="Lines that could not be read"))
+        expect(unread.locator("tbody tr")).to_have_count(1)
+        expect(unread.locator("tbody tr td").first).to_have_text(f"{log}:2")
+        expect(page.locator("section.session tr.violation-row[data-rule=DS000]")).to_have_count(0)
+        # Every violation says where its record was read.
+        rows = page.locator("table").last.locator("tbody tr")
+        assert sorted(r.locator("td").last.inner_text() for r in rows.all()) == [f"{log}:1", f"{log}:2"]
+    finally:
+        page.close()
+
+
 def test_junit_report_reads_back(tmp_path: Path) -> None:
     expected = _json_report(tmp_path, BAD_LOG, GOOD_LOG)
     code, out = _replay(tmp_path, "junit", BAD_LOG, GOOD_LOG)

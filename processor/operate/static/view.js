@@ -253,6 +253,14 @@
       Object.entries(counts).sort((a, b) => b[1] - a[1]).map(([rule, n]) => el("tr", {},
         el("td", { class: "mono" }, rule), el("td", {}, (report.rules[rule] || {}).name || ""), el("td", { class: "num" }, n))),
       "No violations: every session would survive a crash as far as the rules can tell."));
+    // Input that could not be read (DS000 with no session): by input and line, apart from the sessions.
+    const unread = report.violations.filter((v) => !v.session_id);
+    if (unread.length) {
+      main.append(el("h2", {}, "Lines that could not be read"), table("Lines that could not be read",
+        ["Where", "Rule", "Message"], unread.map((v) => el("tr", { "data-rule": v.rule },
+          el("td", { class: "mono" }, where(v)), el("td", { class: "mono" }, v.rule), el("td", {}, v.message))),
+        "Every line was read."));
+    }
     main.append(el("h2", {}, "Sessions"));
     const nav = el("ul", { class: "toc" });
     main.append(nav);
@@ -265,15 +273,23 @@
       renderTimeline(box, session.actions || [], mine, report.rules, 4);
       main.append(box);
     });
-    main.append(el("h2", {}, "All violations"), table("All violations", ["Severity", "Rule", "Session", "Action", "Message", "Time"],
-      violationRows(report.violations, "#", true).map((row) => {
+    main.append(el("h2", {}, "All violations"), table("All violations",
+      ["Severity", "Rule", "Session", "Action", "Message", "Time", "Where"],
+      violationRows(report.violations, "#", true).map((row, i) => {
         // In a file there are no session pages: link to the session's section instead.
         for (const a of row.querySelectorAll("a")) {
-          const i = report.sessions.findIndex((s) => s.session_id === a.textContent);
-          a.setAttribute("href", i >= 0 ? `#session-${i}` : "#");
+          const at = report.sessions.findIndex((s) => s.session_id === a.textContent);
+          a.setAttribute("href", at >= 0 ? `#session-${at}` : "#");
         }
+        row.append(el("td", { class: "mono" }, where(report.violations[i])));
         return row;
       }), "No violations."));
+  }
+
+  // Where a violation's record was read: input and line for an action log, else the input alone.
+  function where(v) {
+    if (!v.origin) return "—";
+    return v.line !== undefined && v.line !== null ? `${v.origin}:${v.line}` : v.origin;
   }
 
   // -- routing for the live view -------------------------------------------------------------

@@ -228,6 +228,28 @@ def test_violation_filters_hold_for_the_counts_and_an_unknown_severity_is_refuse
     assert bogus.json()["error"] == "query parameter severity must be one of critical, error, warning, info"
 
 
+def test_a_wait_row_names_its_action_once_and_links_to_its_finding(server: Server, browser: Browser) -> None:
+    assert server.ui is not None
+    provider = _provider(server)
+    # A framework's wait id already says its kind; a wait with no deadline is DS106.
+    _emit(provider, "s-nodeadline", "approval:refund:call-9", "approval", "awaiting_approval")
+    _until(lambda: "s-nodeadline" in _waiting_ids(server), "the wait in the API")
+    _until(lambda: "DS106" in _session_rules(server, "s-nodeadline"), "its DS106")
+    page = browser.new_page()
+    try:
+        page.goto(f"http://127.0.0.1:{server.ui.port}/")
+        row = page.locator("tr", has_text="s-nodeadline")
+        cells = row.locator("td")
+        expect(cells.nth(2)).to_have_text("approval:refund:call-9")  # not "approval approval:refund:call-9"
+        link = row.get_by_role("link", name="DS106")
+        assert link.get_attribute("href") == "/violations?rule=DS106&session=s-nodeadline"
+        link.click()
+        expect(page.locator("table").last.locator("tbody tr")).to_have_count(1)
+        expect(page.locator("table").last.locator("tbody tr")).to_contain_text("DS106")
+    finally:
+        page.close()
+
+
 def test_auth_refuses_requests_without_the_token(tmp_path: Path) -> None:
     config = serve_config(tmp_path, {"state": {"backend": "memory"},
                                      "ui": {"endpoint": "127.0.0.1:0", "auth": {"bearer_token": TOKEN}}})

@@ -64,14 +64,31 @@
     const rows = data.items.map((w) => el("tr", { class: w.expired ? "expired" : "" },
       el("td", {}, sessionLink(w.session_id, base)),
       el("td", {}, el("span", { class: "state" }, w.state)),
-      el("td", {}, `${w.kind || "action"} ${w.action_id || ""}`.trim()),
+      el("td", {}, waitFor(w)),
       el("td", {}, when(w.since_ns)),
       el("td", {}, when(w.deadline_ns)),
       el("td", { class: w.expired ? "overdue" : "" }, w.expired ? `EXPIRED, ${span(w.time_left_s)}` : span(w.time_left_s)),
+      el("td", {}, waitFinding(w, base)),
       el("td", {}, w.service || "—")));
-    main.append(table("Sessions waiting", ["Session", "Waiting in", "For", "Since", "Deadline", "Time left", "Service"],
+    main.append(table("Sessions waiting",
+      ["Session", "Waiting in", "For", "Since", "Deadline", "Time left", "Finding", "Service"],
       rows, "Nothing is waiting."));
     if (pager) main.append(pager(data.items.length, data.total));
+  }
+
+  // The waiting action, named once: its id when the id already says the kind (approval:refund:call_1).
+  function waitFor(w) {
+    const id = w.action_id || "";
+    const kind = w.kind || "action";
+    return id.startsWith(`${kind}:`) || id.startsWith(kind) ? id : `${kind} ${id}`.trim();
+  }
+
+  // The finding a stuck wait already has: DS107 once its deadline passed, DS106 when it has none.
+  function waitFinding(w, base) {
+    const rule = w.expired ? "DS107" : (w.deadline_ns === null || w.deadline_ns === undefined ? "DS106" : null);
+    if (!rule) return "—";
+    const query = new URLSearchParams({ rule, session: w.session_id });
+    return el("a", { href: `${base}violations?${query}` }, rule);
   }
 
   function violationRows(items, base, withSession) {

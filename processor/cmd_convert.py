@@ -46,11 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from processor.report import printable
 
     config = load_config_or_none(args.config)
-    try:
-        lateness = allowed_lateness_s(config, args.allowed_lateness)
-    except ValueError as exc:
-        sys.stderr.write(f"durable-check: --allowed-lateness: {exc}\n")
-        return 2
+    lateness = allowed_lateness_s(config, args.allowed_lateness)
     converter = make_converter(args.config, config)
     # The identity stage replay and serve evaluate through, over all inputs as one stream.
     identity = IdentityResolver(IdentityState(), round(lateness * 1_000_000_000))

@@ -88,12 +88,16 @@ def load_config_or_none(path: str | None) -> Config | None:
 def allowed_lateness_s(config: Config | None, override: str | None) -> float:
     """How far out of order spans may arrive: ``--allowed-lateness``, else the configuration's, else 5 s.
 
-    ValueError names what is wrong with the command line's value.
+    A command-line value that is no duration is a ConfigError naming the option (exit 2).
     """
     from processor.configfmt import parse_duration
+    from processor.errors import ConfigError, Problem
 
     if override:
-        return parse_duration(override)
+        try:
+            return parse_duration(override)
+        except ValueError as exc:
+            raise ConfigError([Problem("--allowed-lateness", str(exc))]) from None
     return float(config.evaluate.allowed_lateness) if config is not None else 5.0
 
 
@@ -128,11 +132,7 @@ def run(args: argparse.Namespace) -> int:
         rule_paths.extend(ev.rules)
         include_shipped = include_shipped and ev.include_shipped_rules
         packs = list(ev.packs)
-    try:
-        lateness = allowed_lateness_s(config, args.allowed_lateness)
-    except ValueError as exc:
-        sys.stderr.write(f"durable-check: --allowed-lateness: {exc}\n")
-        return 2
+    lateness = allowed_lateness_s(config, args.allowed_lateness)
     rule_paths.extend(args.rules)
     if args.pack:
         packs = list(dict.fromkeys(args.pack))  # the command line's choice replaces the configuration's

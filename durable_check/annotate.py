@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Final, Literal
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, Tracer, TracerProvider
 from opentelemetry.util.types import AttributeValue
 
@@ -82,8 +84,34 @@ def _plan(value: str | int) -> str | int:
     return value
 
 
+def _framework_span() -> Span | None:
+    """The span of the framework step the code runs in, where OpenTelemetry's context does not say.
+
+    LangChain (and LangGraph on it) runs a tool without making the tool's span current;
+    OpenInference's LangChain instrumentation knows the span of the current run. Read only
+    when that instrumentation is already imported: nothing is imported for it here.
+    """
+    module = sys.modules.get("openinference.instrumentation.langchain")
+    getter = getattr(module, "get_current_span", None) if module is not None else None
+    if getter is None:
+        return None
+    try:
+        span = getter()
+    except Exception:
+        return None
+    return span if isinstance(span, Span) and span.get_span_context().is_valid else None
+
+
 def _current(span: Span | None) -> Span:
-    return span if span is not None else trace.get_current_span()
+    if span is not None:
+        return span
+    return _framework_span() or trace.get_current_span()
+
+
+def _parent_context() -> Context | None:
+    """Where a helper's own span goes: under the framework step's span when there is one."""
+    span = _framework_span()
+    return trace.set_span_in_context(span) if span is not None else None
 
 
 # -- the current span ----------------------------------------------------------------------
@@ -186,12 +214,12 @@ def action(
     if plan_version is not None:
         extra[PLAN_VERSION] = _plan(plan_version)
     attributes = _fields(session_id=session_id, action_id=action_id, kind=kind, extra=extra)
-    with _tracer(tracer_provider).start_as_current_span(name, attributes=attributes) as span:
+    with _tracer(tracer_provider).start_as_current_span(name, context=_parent_context(), attributes=attributes) as span:
         yield span
 
 
 def _emit(name: str, attributes: Mapping[str, AttributeValue], provider: TracerProvider | None) -> None:
-    with _tracer(provider).start_as_current_span(name, attributes=attributes):
+    with _tracer(provider).start_as_current_span(name, context=_parent_context(), attributes=attributes):
         pass
 
 

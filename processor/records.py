@@ -227,6 +227,22 @@ class SpanLinks(NamedTuple):
     tool_name: str | None = None
     # An LLM span's output tool calls, in order: (tool name, call id).
     offered: tuple[tuple[str, str], ...] = ()
+    # ROLE_ANNOTATED: durable.* attributes made it an action; ROLE_TOOL: a framework's tool span made
+    # it one (one action per tool call: an annotated action inside the tool span is the call).
+    role: int = 0
+    # The checkpoint that records this action's outcome once its step completes (a LangGraph node's).
+    covered_by: str = ""
+    # The durable runtime's workflow the span runs in (a DBOS workflow id).
+    workflow: str = ""
+    # On the record of a durable runtime's completed step: the step's name.
+    step: str = ""
+
+
+ROLE_ANNOTATED: Final = 1
+ROLE_TOOL: Final = 2
+# A wait for approval of a deferred tool call that the framework decides by running the call or
+# not in the session's next run (pydantic-ai); the identity stage derives the decision.
+ROLE_DEFERRED: Final = 3
 
 
 SourceKind = Literal["log", "span"]
@@ -297,3 +313,5 @@ class SessionMark:
     parent_span_id: str
     session_id: str
     time_ns: int | None = None
+    # The durable runtime's workflow the span runs in (a DBOS workflow id), "" when none.
+    workflow: str = ""

@@ -90,9 +90,10 @@ def records(actions: Sequence[Action], kind: str) -> list[dict[str, Any]]:
 # -- pydantic-ai -------------------------------------------------------------------------------
 
 
-def _pydantic_refund(traced: Traced, approve: bool, *, decided: str, conversation: str = "conv-1") -> list[str]:
+def _pydantic_refund(traced: Traced, approve: bool, *, decided: str | None, conversation: str = "conv-1") -> list[str]:
     """A refund tool that needs approval; ``approve`` is what the code hands to pydantic-ai,
-    ``decided`` what the human said (recorded with the annotate helper). Returns the refunds made."""
+    ``decided`` what the human said (recorded with the annotate helper; None: not recorded).
+    Returns the refunds made."""
 
     def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         if any(isinstance(part, ToolReturnPart) for part in messages[-1].parts):
@@ -116,9 +117,10 @@ def _pydantic_refund(traced: Traced, approve: bool, *, decided: str, conversatio
             first = agent.run_sync("refund 42", conversation_id=conversation)
             assert isinstance(first.output, DeferredToolRequests)
             call = first.output.approvals[0]
-            annotate.approval_decision(call.tool_call_id, "granted" if decided == "granted" else "denied",
-                                       tool=call.tool_name, session_id=conversation,
-                                       tracer_provider=traced.provider)
+            if decided is not None:
+                annotate.approval_decision(call.tool_call_id, "granted" if decided == "granted" else "denied",
+                                           tool=call.tool_name, session_id=conversation,
+                                           tracer_provider=traced.provider)
             results = DeferredToolResults(approvals={call.tool_call_id: True if approve else ToolDenied("no")})
             agent.run_sync(message_history=first.all_messages(), deferred_tool_results=results,
                            conversation_id=conversation)
@@ -164,6 +166,43 @@ def test_pydantic_ai_denied_but_executed_is_ds109(tmp_path: Path) -> None:
     assert _pydantic_refund(traced, approve=True, decided="denied") == ["42"]
     assert ("DS109", "call-1") in verdicts(traced.actions())
     assert served(tmp_path, traced) == verdicts(traced.actions())
+
+
+@pytest.mark.parametrize(("approve", "decision", "refunded"), [(True, "granted", ["42"]), (False, "denied", [])])
+def test_pydantic_ai_decision_is_read_from_the_resumed_run(approve: bool, decision: str, refunded: list[str],
+                                                           tmp_path: Path) -> None:
+    # The code records no decision: the resumed run shows it. An approved call runs there (its span
+    # carries the call id); a denied one does not run, and the run ends without it.
+    traced = Traced()
+    assert _pydantic_refund(traced, approve=approve, decided=None) == refunded
+    engine = Engine(shipped(), EngineOptions())
+    engine.keep_admitted = True
+    items = SpanConverter(ConvertOptions(approval_wait_timeout=WAIT)).convert(traced.request(), "test").items
+    out = engine.submit_many(items) + engine.finish()
+    admitted = [a.record for a in engine.take_admitted()]
+    decisions = [(r["action_id"], r["approval_decision"], r["plan_version"])
+                 for r in admitted if "approval_decision" in r]
+    assert decisions == [("approval:refund_payment:call-1:shown", decision, "call-1")]
+    # Granted, the decision comes before the refund it allows (the refund carries the call as its plan).
+    order = [r["action_id"] for r in admitted if r["action_id"].startswith(("approval:", "call-1"))]
+    assert order == ["approval:refund_payment:call-1", "approval:refund_payment:call-1:shown",
+                     *(["call-1"] if approve else [])]
+    assert [v.rule for v in out if v.rule in ("DS107", "DS108", "DS109")] == []
+    assert [rule for rule, _ in served(tmp_path, traced) if rule in ("DS107", "DS108", "DS109")] == []
+
+
+def test_pydantic_ai_decision_recorded_by_the_code_is_the_decision() -> None:
+    # The human said no, the code approved the call anyway: the recorded denial stands, nothing is
+    # derived over it, and the refund is DS109.
+    traced = Traced()
+    _pydantic_refund(traced, approve=True, decided="denied")
+    engine = Engine(shipped(), EngineOptions())
+    engine.keep_admitted = True
+    items = SpanConverter(ConvertOptions(approval_wait_timeout=WAIT)).convert(traced.request(), "test").items
+    out = engine.submit_many(items) + engine.finish()
+    assert [r["approval_decision"] for r in (a.record for a in engine.take_admitted()) if "approval_decision" in r] == [
+        "denied"]
+    assert ("DS109", "call-1") in {(v.rule, v.action_id) for v in out}
 
 
 # -- LangGraph -----------------------------------------------------------------------------------
@@ -370,9 +409,13 @@ def test_agents_sdk_approvals(approve: bool, decided: str, refunded: list[str], 
     actions = [a for a in traced.actions() if a.session_id == "conv-9"]
     found = [rule for rule, _ in verdicts(actions) if rule != "DS110"]  # the SDK saves no checkpoint
     assert found == expected
-    # The pending call's span, in the trace's own session, reads as a refund that ran (DS002):
-    # the known gap of this instrumentation (docs/frameworks.md).
     assert [rule for rule, action in served(tmp_path, traced) if action == "refund-42" and rule != "DS110"] == expected
+    # The span the SDK ends for the paused call (no output: the tool never ran) is no action, so
+    # no refund that did not happen is reported anywhere, in any session.
+    paused = [a for a in traced.actions() if a.record["kind"] in ("payment", "tool_call")
+              and a.record.get("action_id") != "refund-42"]
+    assert paused == []
+    assert [rule for rule, _ in verdicts(traced.actions()) if rule == "DS002"] == []
 
 
 # -- serve: the same verdicts over OTLP, and a deadline that passes ----------------------------

@@ -86,23 +86,28 @@ def packs() -> RuleSet:
 RECORDED: Mapping[str, Any] = {"durable.result.recorded": True}
 
 
-def test_crash_between_side_effect_and_completion(packs: RuleSet) -> None:
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "unkeyed"])
+def test_crash_between_side_effect_and_completion(packs: RuleSet, keyed: bool) -> None:
+    key = {"durable.idempotency_key": "trip-2291-deposit"} if keyed else {}
     before = Agent("pod-a")
     before.action(0, "ask traveller", "ask-budget", "user_prompt", **RECORDED)
-    before.action(5, "charge card", "pay-deposit", "payment", **{"durable.idempotency_key": "trip-2291-deposit"})
+    before.action(5, "charge card", "pay-deposit", "payment", **key)
     # The process dies before it checkpoints the payment. A new instance recovers:
     after = Agent("pod-b")
     after.action(60, "ask traveller", "ask-budget", "user_prompt", **RECORDED, **{"durable.replayed": True})
-    after.action(61, "charge card", "pay-deposit", "payment", **{"durable.idempotency_key": "trip-2291-deposit"})
+    after.action(61, "charge card", "pay-deposit", "payment", **key)
     after.action(62, "checkpoint", "ckpt-1", "checkpoint")
     actions = before.actions() + after.actions()
     out, _ = check(packs, actions)
-    assert rules_of(out) == sorted([
-        # The first payment was never checkpointed before the next action began...
-        ("DS110", "pay-deposit", span_of(actions, "pay-deposit", "pod-a")),
-        # ...so recovery ran it again instead of replaying it.
-        ("DS101", "pay-deposit", span_of(actions, "pay-deposit", "pod-b")),
-    ])
+    first, second = span_of(actions, "pay-deposit", "pod-a"), span_of(actions, "pay-deposit", "pod-b")
+    # The first payment was never checkpointed before the next action began, so recovery ran it
+    # again. With the first run's idempotency key the second run is recognised and collapsed.
+    expected = [("DS110", "pay-deposit", first)]
+    if not keyed:
+        # Without one it is a second charge: executed again instead of replayed, and unkeyed twice.
+        expected += [("DS101", "pay-deposit", second), ("DS002", "pay-deposit", first),
+                     ("DS002", "pay-deposit", second)]
+    assert rules_of(out) == sorted(expected)
     services = {v.service for v in out}
     assert services == {"travel-agent"}
 

@@ -10,6 +10,13 @@ records the session rules read: a wait (``workflow_state: awaiting_approval``, n
 ``approval:<tool>:<call>``, plan = the call), a decision (``approval_decision``) and a
 checkpoint after each LangGraph step.
 
+Durable runtimes also say what they recorded. DBOS (``dbos-tracer``) puts the workflow id
+and the operation type on its workflow and step spans: a step that completed is recorded,
+so its end is a checkpoint, and the identity stage (processor/evaluate/identity.py) tells a
+step served from the record on recovery from one run again. A LangGraph model or tool span
+inside a node names the node's checkpoint in its metadata: what it produced is recorded once
+that checkpoint is seen.
+
 Payloads are parsed only when a cheap prefix test says they have the expected shape,
 and only up to a size bound; nothing read is copied into a record except ids and names.
 """
@@ -25,16 +32,26 @@ from typing import Any, Final
 from processor.convert.options import ConvertOptions
 from processor.convert.profiles import (
     GENAI_OPERATION,
+    OI_OUTPUT_VALUE,
     OI_SPAN_KIND,
     OI_TOOL_NAME,
     AnyValue,
     text,
 )
+from processor.records import ROLE_DEFERRED
 
 PYDANTIC_AI_FINAL_RESULT: Final = "final_result"
 OI_INPUT_VALUE: Final = "input.value"
 OI_METADATA: Final = "metadata"
-KEYS: Final = frozenset({PYDANTIC_AI_FINAL_RESULT, OI_INPUT_VALUE, OI_METADATA})
+# DBOS span attributes, in its default ("legacy") naming and its semantic-conventions naming.
+DBOS_TYPE_KEYS: Final = ("operationType", "dbos.operation.type")
+DBOS_WORKFLOW_KEYS: Final = ("operationUUID", "dbos.operation.workflow_id")
+# The OpenAI Agents SDK's tool spans (through OpenInference) describe the tool; one without output
+# is a call paused for approval (needs_approval), which did not run.
+OI_TOOL_PARAMETERS: Final = "tool.parameters"
+KEYS: Final = frozenset({
+    PYDANTIC_AI_FINAL_RESULT, OI_INPUT_VALUE, OI_METADATA, OI_TOOL_PARAMETERS, *DBOS_TYPE_KEYS, *DBOS_WORKFLOW_KEYS,
+})
 # Read on span events (LangGraph's interrupt is an exception event).
 EXCEPTION_TYPE: Final = "exception.type"
 EXCEPTION_MESSAGE: Final = "exception.message"
@@ -57,6 +74,7 @@ _STATUS_CODE_ERROR: Final = 2
 # How LangChain's tracer serialises node metadata (json.dumps with its default separators).
 _NODE_KEY: Final = '"langgraph_node": '
 _THREAD_KEY: Final = '"thread_id": '
+_CHECKPOINT_NS_KEY: Final = '"langgraph_checkpoint_ns": '
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +83,10 @@ class Derived:
 
     fields: dict[str, Any]
     time_ns: int
+    # The record of a durable runtime's completed step: the step's name (see SpanLinks.step).
+    step: str = ""
+    # SpanLinks.role of the record (ROLE_DEFERRED: the decision is derived from the next run).
+    role: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +96,10 @@ class Reading:
     derived: tuple[Derived, ...] = ()
     # The span's own action did not happen (an interrupted tool waits instead of running).
     suppress_span: bool = False
+    # The checkpoint that records what the span's action produced, once seen (a LangGraph node's).
+    covered_by: str = ""
+    # The durable runtime's workflow the span runs in (a DBOS workflow id).
+    workflow: str = ""
 
 
 NOTHING: Final = Reading()
@@ -121,7 +147,10 @@ def _pydantic_ai_deferred(found: dict[str, AnyValue], span: Any, options: Conver
                 continue
             tool, call_id = _short(call.get("tool_name")), _short(call.get("tool_call_id"))
             if tool and call_id:
-                derived.append(_wait(tool, call_id, state, options, time_ns))
+                wait = _wait(tool, call_id, state, options, time_ns)
+                if state == "awaiting_approval":
+                    wait = Derived(wait.fields, wait.time_ns, role=ROLE_DEFERRED)
+                derived.append(wait)
     return Reading(tuple(derived))
 
 
@@ -210,21 +239,29 @@ def read(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Read
     Cheap tests come first: most spans that hold these keys (every LangChain span has
     ``metadata`` and ``input.value``) imply nothing, and are let go without parsing.
     """
+    if options.dbos_steps:
+        workflow = _first(found, DBOS_WORKFLOW_KEYS)
+        if workflow:
+            return _dbos(found, span, workflow)
     if options.framework_approvals and PYDANTIC_AI_FINAL_RESULT in found:
         operation = found.get(GENAI_OPERATION)
         if operation is not None and text(operation) == "invoke_agent":
             return _pydantic_ai_deferred(found, span, options)
     span_kind = found.get(OI_SPAN_KIND)
     raw_meta = found.get(OI_METADATA)
-    if span_kind is None or raw_meta is None:
+    if span_kind is None:
+        return NOTHING
+    if raw_meta is None:
+        if options.framework_approvals and OI_TOOL_PARAMETERS in found and OI_OUTPUT_VALUE not in found:
+            return _paused_call(found, span)
         return NOTHING
     kind = (text(span_kind) or "").upper()
+    if kind == "LLM":
+        return _covered(found, options)
     if kind == "TOOL":
-        if not options.framework_approvals or len(span.events) == 0:
-            return NOTHING
-        interrupt = _interrupt_id(span)
+        interrupt = _interrupt_id(span) if options.framework_approvals and len(span.events) > 0 else None
         if interrupt is None:
-            return NOTHING
+            return _covered(found, options)
         tool = found.get(OI_TOOL_NAME)
         name = (text(tool) if tool is not None else None) or span.name
         time_ns = span.end_time_unix_nano or span.start_time_unix_nano
@@ -263,7 +300,7 @@ def read(found: dict[str, AnyValue], span: Any, options: ConvertOptions) -> Read
         return NOTHING
     namespace = _short(meta.get("langgraph_checkpoint_ns")) or span.span_id.hex()
     fields = {"action_id": f"checkpoint:{thread}:{namespace}", "kind": "checkpoint", "result": True}
-    return Reading((Derived(fields, span.end_time_unix_nano),))
+    return Reading((Derived(fields, span.end_time_unix_nano, step=span.name),))
 
 
 def _tool_node(found: dict[str, AnyValue], name: str) -> bool:
@@ -271,3 +308,63 @@ def _tool_node(found: dict[str, AnyValue], name: str) -> bool:
     state, it has the prebuilt agents' name for it)."""
     value = found.get(OI_INPUT_VALUE)
     return name == "tools" or (value is not None and (text(value) or "").startswith(_TOOL_CALL_INPUT))
+
+
+def _first(found: dict[str, AnyValue], keys: tuple[str, ...]) -> str:
+    for key in keys:
+        value = found.get(key)
+        if value is not None:
+            found_text = _short(text(value))
+            if found_text:
+                return found_text
+    return ""
+
+
+def _dbos(found: dict[str, AnyValue], span: Any, workflow: str) -> Reading:
+    """A DBOS span: its workflow, and for a step that completed, the step's record (a checkpoint).
+
+    DBOS writes a step's output to its system database before the step's span ends, and
+    returns that output instead of running the step again on recovery; a step that failed
+    recorded its error, not an outcome to build on, and one whose span never ended never
+    completed. The record's id is finished in the identity stage, which numbers the
+    workflow's steps (DBOS's own step ids are not on the spans).
+    """
+    if _first(found, DBOS_TYPE_KEYS) != "step" or not span.end_time_unix_nano or span.status.code == _STATUS_CODE_ERROR:
+        return Reading(workflow=workflow)
+    name = (span.name or "step")[:_ID_LIMIT]
+    fields = {"action_id": f"checkpoint:dbos:{workflow}:{name}", "kind": "checkpoint", "result": True}
+    return Reading((Derived(fields, span.end_time_unix_nano, step=name),), workflow=workflow)
+
+
+def _covered(found: dict[str, AnyValue], options: ConvertOptions) -> Reading:
+    """A model or tool span inside a LangGraph node of a run with a checkpointer: the node's
+    checkpoint, saved when the node completes, holds what the span produced."""
+    if not options.langgraph_checkpoints:
+        return NOTHING
+    raw = text(found[OI_METADATA]) or ""
+    if _THREAD_KEY not in raw or _CHECKPOINT_NS_KEY not in raw:
+        return NOTHING
+    meta = _metadata(found)
+    if meta is None:
+        return NOTHING
+    thread, namespace = _short(meta.get("thread_id")), _short(meta.get("langgraph_checkpoint_ns"))
+    if thread is None or namespace is None or not isinstance(meta.get("langgraph_node"), str):
+        return NOTHING
+    return Reading(covered_by=f"checkpoint:{thread}:{namespace}")
+
+
+_PAUSED: Final = Reading(suppress_span=True)
+
+
+def _paused_call(found: dict[str, AnyValue], span: Any) -> Reading:
+    """An Agents SDK tool span with no output: the call was interrupted for approval, not run.
+
+    The SDK ends the span of a ``needs_approval`` call when the run stops for the decision;
+    the tool's code never ran, so the span is no tool call, let alone a side effect. It is no
+    wait record either: it names neither the session (the SDK does not export ``group_id``)
+    nor the call, so a deadline on it could never be met by the decision the code records.
+    The wait is the code's ``annotate.waiting(...)`` (docs/frameworks.md).
+    """
+    if (text(found[OI_SPAN_KIND]) or "").upper() != "TOOL" or span.status.code == _STATUS_CODE_ERROR:
+        return NOTHING
+    return _PAUSED

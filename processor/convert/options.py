@@ -63,6 +63,9 @@ class ConvertOptions:
     approval_wait_timeout: Duration | None = None
     # A LangGraph step of a run with a thread id (a checkpointer) counts as a checkpoint when it ends.
     langgraph_checkpoints: bool = True
+    # DBOS records each completed step's output: a completed step is a checkpoint, what it
+    # produced is recorded, and the same step seen again in a recovered run is a replay.
+    dbos_steps: bool = True
     # A LangGraph resume value (Command(resume=...)) that reads as a decision.
     approval_grant_words: Sequence[str] = (
         "approve", "approved", "accept", "accepted", "yes", "y", "grant", "granted", "ok",

@@ -59,6 +59,8 @@ from processor.convert.timefmt import format_rfc3339
 from processor.convert.wire import MappedTracesData
 from processor.records import (
     INT64_MAX,
+    ROLE_ANNOTATED,
+    ROLE_TOOL,
     Action,
     Malformed,
     Record,
@@ -137,7 +139,9 @@ class SpanConverter:
         wanted = set(self._durable_keys)
         for profile in self._profiles:
             wanted |= profile.keys
-        self._frameworks = self.options.framework_approvals or self.options.langgraph_checkpoints
+        self._frameworks = (
+            self.options.framework_approvals or self.options.langgraph_checkpoints or self.options.dbos_steps
+        )
         if self._frameworks:
             wanted |= frameworks.KEYS
         self._wanted = frozenset(wanted)
@@ -330,6 +334,7 @@ class SpanConverter:
         if synthetic:
             action_id = f"span-{span_hex}"
         default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
+        role = ROLE_ANNOTATED if marked else ROLE_TOOL if verdict is not None and verdict.tool_name else 0
         record = self._record(session, action_id, kind, default_status=default_status, merged=merged, verdict=verdict)
         time_ns = self._place(record, span.start_time_unix_nano, trace_hex, span_hex, resource)
         action = Action(
@@ -342,7 +347,7 @@ class SpanConverter:
             (trace_hex, span_hex, 0),
             synthetic,
             # tuple.__new__ skips the NamedTuple's Python-level __new__: this runs for every action.
-            tuple.__new__(SpanLinks, (span.parent_span_id.hex(), named, None, ())),
+            tuple.__new__(SpanLinks, (span.parent_span_id.hex(), named, None, (), role, "", "", "")),
         )
         out.actions.append(action)
         out.items.append(action)
@@ -435,7 +440,7 @@ class SpanConverter:
         has_events = events and self.options.durable and len(span.events) > 0
         if not (marked or verdict is not None or has_events or reading.derived):
             if found or resource.names_session:
-                self._mark_session(span, own, found, resource, out)
+                self._mark_session(span, own, found, resource, out, reading.workflow)
             return False
 
         appended = False
@@ -459,6 +464,11 @@ class SpanConverter:
                     links = links._replace(tool_name=None)
             else:
                 links = SpanLinks(parent, named)
+            # One action per tool call: the identity stage lets an annotated action inside a
+            # framework's tool span stand for the call.
+            role = ROLE_ANNOTATED if marked else ROLE_TOOL if verdict is not None and verdict.tool_name else 0
+            if role or reading.covered_by or reading.workflow:
+                links = links._replace(role=role, covered_by=reading.covered_by, workflow=reading.workflow)
             default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
             item = self._build(
                 span,
@@ -494,6 +504,8 @@ class SpanConverter:
                 index=_DERIVED_INDEX + number,
                 seq=seq_start + len(out.actions),
             )
+            if isinstance(item, Action) and (derived.step or derived.role or reading.workflow):
+                item.links = SpanLinks(parent, named, role=derived.role, workflow=reading.workflow, step=derived.step)
             _append(out, item)
             appended = True
 
@@ -544,8 +556,14 @@ class SpanConverter:
                 return SpanLinks(parent, named, offered=offered)
         return SpanLinks(parent, named)
 
-    def _mark_session(
-        self, span: Any, own: dict[str, Any], found: dict[str, AnyValue], resource: _Resource, out: ConvertResult
+    def _mark_session(  # noqa: PLR0917
+        self,
+        span: Any,
+        own: dict[str, Any],
+        found: dict[str, AnyValue],
+        resource: _Resource,
+        out: ConvertResult,
+        workflow: str = "",
     ) -> None:
         """A span that is no action (an agent or workflow run): a mark of its place in the trace and the
         session it names, if any, for the actions of its trace that name none."""
@@ -559,6 +577,7 @@ class SpanConverter:
             bytes(span.parent_span_id).hex(),
             bounded_text(session) if named else "",
             time_ns if 0 < time_ns <= INT64_MAX else None,
+            workflow,
         )
         out.marks.append(mark)
         out.items.append(mark)

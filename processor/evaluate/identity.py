@@ -19,6 +19,19 @@ the allowed lateness (in event time; in serve also in wall time), or the input e
 Released without an answer it keeps what the converter gave it: the trace id as its
 session, a made-up action id still marked as made up. Nothing held is dropped.
 
+The same stage applies what a durable runtime recorded (processor/convert/frameworks.py
+reads it from the spans). A DBOS step that completed is numbered within its workflow's run
+(DBOS's own step ids are not on the spans); the same step of the same workflow seen again
+in a later run (a recovered process) was served from DBOS's record, so its record and the
+action whose span holds it are marked ``replayed``, and that action's outcome is recorded
+(``result_ref`` names the step). A LangGraph model or tool span is held until the
+checkpoint of its node is seen, and its outcome is recorded by it; a node that never
+completed saved nothing, and after the allowed lateness the span goes on as it was. A DBOS
+workflow id also joins sessions: a trace of the workflow that names no session takes the
+one another trace of the workflow named, else the workflow id. And one tool call is one
+action: a framework's tool span with an annotated action inside it (``durable_check.annotate``)
+is that action's container, not a second action.
+
 What is remembered lives in :class:`IdentityState`, part of the engine-wide state a
 store persists, so serve resumes after a crash with the same traces and held actions.
 """
@@ -28,10 +41,19 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from processor.records import Action, Malformed, SessionMark, SpanLinks
+from processor.convert.timefmt import format_rfc3339
+from processor.records import (
+    ROLE_ANNOTATED,
+    ROLE_DEFERRED,
+    ROLE_TOOL,
+    Action,
+    Malformed,
+    SessionMark,
+    SpanLinks,
+)
 
 # Traces remembered (least recently touched forgotten first; their held actions are released).
 MAX_TRACES: Final = 2048
@@ -45,6 +67,17 @@ MAX_SPANS_PER_TRACE: Final = 512
 MAX_OFFERS_PER_TRACE: Final = 128
 # Actions held at once (the oldest is released first beyond it).
 MAX_HELD: Final = 65536
+# Durable runtimes' workflows remembered (least recently touched forgotten first), and per
+# workflow its runs (process and trace) and step names counted.
+MAX_WORKFLOWS: Final = 1024
+MAX_RUNS_PER_WORKFLOW: Final = 8
+MAX_STEPS_PER_RUN: Final = 64
+# Sessions with deferred tool calls awaiting a decision remembered, and calls per session.
+MAX_DEFERRED_SESSIONS: Final = 4096
+MAX_DEFERRED_PER_SESSION: Final = 64
+# Derived decision records are numbered from here in their span's delivery key (past events and
+# the converter's derived records).
+_DECISION_INDEX: Final = 1 << 25
 # Ancestors walked for the nearest one that names a session.
 _MAX_DEPTH: Final = 64
 _NEVER: Final = -(2**63)
@@ -72,8 +105,24 @@ class _Held:
         self.received_ns = received_ns
 
 
+class _Workflow:
+    """A durable runtime's workflow: the session it belongs to, and per run its completed steps counted."""
+
+    __slots__ = ("runs", "session")
+
+    def __init__(self, session: str = "", runs: dict[str, dict[str, int]] | None = None) -> None:
+        self.session = session
+        self.runs: dict[str, dict[str, int]] = runs if runs is not None else {}
+
+    def to_plain(self) -> list[Any]:
+        return [self.session, {run: dict(steps) for run, steps in self.runs.items()}]
+
+
 class _Trace:
-    __slots__ = ("first", "held", "last_ns", "linked", "named", "offers", "parents", "plain")
+    __slots__ = (
+        "annotated", "covers", "first", "held", "last_ns", "linked", "named", "offers", "parents", "plain", "steps",
+        "workflow",
+    )
 
     def __init__(self) -> None:
         # The spans that may be ancestors of others (agent and workflow runs, session marks,
@@ -89,6 +138,14 @@ class _Trace:
         self.first: str | None = None
         self.offers: dict[str, _Offer] = {}
         self.held: list[_Held] = []
+        # The durable runtime's workflow the trace runs ("" none); the checkpoints of completed
+        # steps seen (what they cover is recorded); per span holding a completed step, that
+        # step's record id and whether it was served from the record; the parents of annotated
+        # actions (a framework's tool span among them is no action of its own).
+        self.workflow = ""
+        self.covers: set[str] = set()
+        self.steps: dict[str, tuple[str, bool]] = {}
+        self.annotated: set[str] = set()
         # Its plain form as last written, None once changed: a store writes the whole state
         # every batch, and only the traces a batch touched are converted again.
         self.plain: dict[str, Any] | None = None
@@ -106,6 +163,10 @@ class _Trace:
                     for span, o in self.offers.items()
                 ],
                 "held": [[_action_to_plain(h.action), h.received_ns] for h in self.held],
+                "workflow": self.workflow,
+                "covers": sorted(self.covers),
+                "steps": {span: list(step) for span, step in self.steps.items()},
+                "annotated": sorted(self.annotated),
             }
         return self.plain
 
@@ -115,6 +176,9 @@ class IdentityState:
 
     def __init__(self) -> None:
         self.traces: OrderedDict[str, _Trace] = OrderedDict()
+        self.workflows: OrderedDict[str, _Workflow] = OrderedDict()
+        # Per session, the deferred tool calls awaiting approval: call id -> (tool, when the wait began).
+        self.deferred: OrderedDict[str, dict[str, tuple[str, int]]] = OrderedDict()
         self.held = 0
         self.max_event_ns = _NEVER
         # (event time, seq, trace id) of held actions, earliest first; entries of actions
@@ -130,6 +194,9 @@ class IdentityState:
         """Plain data; ``traces=False`` leaves the traces out (a store that writes them by change)."""
         return {
             "max_event_ns": self.max_event_ns,
+            "workflows": [[workflow_id, workflow.to_plain()] for workflow_id, workflow in self.workflows.items()],
+            "deferred": [[session, {call: list(wait) for call, wait in calls.items()}]
+                         for session, calls in self.deferred.items()],
             "traces": [[trace_id, trace.to_plain()] for trace_id, trace in self.traces.items()] if traces else [],
         }
 
@@ -171,6 +238,12 @@ class IdentityState:
         if not plain:
             return state
         state.max_event_ns = int(plain["max_event_ns"])
+        for session_id, calls in plain.get("deferred", ()):
+            state.deferred[str(session_id)] = {str(c): (str(w[0]), int(w[1])) for c, w in calls.items()}
+        for workflow_id, (session, runs) in plain.get("workflows", ()):
+            state.workflows[str(workflow_id)] = _Workflow(
+                str(session), {str(run): {str(n): int(c) for n, c in steps.items()} for run, steps in runs.items()}
+            )
         for trace_id, body in plain["traces"]:
             trace = _Trace()
             trace.named = {str(k): str(v) for k, v in body["named"].items()}
@@ -184,6 +257,11 @@ class IdentityState:
                     str(parent), int(start_ns), [(str(n), str(i)) for n, i in calls], [bool(t) for t in taken]
                 )
             trace.held = [_Held(_action_from_plain(a), int(received)) for a, received in body["held"]]
+            # Rows written before durable runtimes were read have none of these.
+            trace.workflow = str(body.get("workflow", ""))
+            trace.covers = {str(c) for c in body.get("covers", ())}
+            trace.steps = {str(s): (str(step[0]), bool(step[1])) for s, step in body.get("steps", {}).items()}
+            trace.annotated = {str(a) for a in body.get("annotated", ())}
             state.held += len(trace.held)
             state.traces[str(trace_id)] = trace
             state.expiry.extend((h.action.time_ns or 0, h.action.seq, str(trace_id)) for h in trace.held)
@@ -210,6 +288,12 @@ class IdentityResolver:
         state = self.state
         traces = state.traces
         touched = state.touched
+        if not isinstance(items, list | tuple):
+            items = list(items)
+        self._note_annotated(items)
+        # Runs of sessions with deferred calls that began (where in ``out``, session, when).
+        runs: list[tuple[int, str, int]] = []
+        deferring = False
         for item in items:
             if isinstance(item, Malformed):
                 out.append(item)
@@ -223,6 +307,10 @@ class IdentityResolver:
             if isinstance(item, SessionMark):
                 trace = self._trace(item.trace_id, time_ns)
                 self._remember(trace, item.span_id, item.parent_span_id, item.session_id or None, ancestor=True)
+                if item.workflow:
+                    self._join_workflow(trace, item.workflow)
+                if (deferring or state.deferred) and item.session_id and time_ns is not None:
+                    runs.append((len(out), item.session_id, time_ns))
                 self._retry(trace, out)
                 self._flush_forgotten(out)
                 continue
@@ -242,7 +330,20 @@ class IdentityResolver:
                     touched.add(trace_id)
                 if time_ns is not None and time_ns > trace.last_ns:
                     trace.last_ns = time_ns
-            if links.session_named and links.tool_name is None and not links.offered:
+            if links.role == ROLE_DEFERRED:
+                deferring = True
+            elif links.role and self._one_per_call(trace, span_id, links):
+                # A tool span whose annotated action stands for the call: a place in the trace only.
+                self._remember(trace, span_id, links.parent_span_id, item.session_id if links.session_named else None,
+                               ancestor=True)
+                if trace.held:
+                    self._retry(trace, out)
+                continue
+            if trace.steps:
+                self._record_of_step(trace, span_id, item)
+            if links.workflow or links.step:
+                self._runtime(trace, item, links)
+            if links.session_named and links.tool_name is None and not links.offered and not links.covered_by:
                 # Nothing to resolve (the usual span names its session): remembered for its trace, passed on.
                 self._remember(trace, span_id, links.parent_span_id, item.session_id, ancestor=True)
                 out.append(item)
@@ -259,9 +360,11 @@ class IdentityResolver:
                 out.append(item)
             else:
                 self._hold(trace, item, now_ns, out)
-            if (links.session_named or links.offered) and trace.held:
+            if (links.session_named or links.offered or links.step) and trace.held:
                 self._retry(trace, out)
             self._flush_forgotten(out)
+        if state.deferred or deferring:
+            out = self._decide_deferred(out, runs)
         return out
 
     def release_due(self, now_ns: int) -> list[Action]:
@@ -270,14 +373,22 @@ class IdentityResolver:
         if self.state.held:
             limit = now_ns - self._lateness_ns
             self._release_where(lambda held: held.received_ns <= limit, out)
-        return [a for a in out if isinstance(a, Action)]
+        return [a for a in self._decide_released(out) if isinstance(a, Action)]
 
     def release_all(self) -> list[Action]:
         """End of input: everything held, as it is."""
         out: list[Action | Malformed] = []
         if self.state.held:
             self._release_where(lambda held: True, out)
-        return [a for a in out if isinstance(a, Action)]
+        return [a for a in self._decide_released(out) if isinstance(a, Action)]
+
+    def _decide_released(self, out: list[Action | Malformed]) -> list[Action | Malformed]:
+        """Released actions take part in deferred calls' decisions as admitted ones do."""
+        if self.state.deferred or any(
+            isinstance(a, Action) and a.links is not None and a.links.role == ROLE_DEFERRED for a in out
+        ):
+            return self._decide_deferred(out, [])
+        return out
 
     # -- traces ---------------------------------------------------------------------------
 
@@ -329,6 +440,10 @@ class IdentityResolver:
                 trace.parents[span_id] = parent
         if session and trace.first is None:
             trace.first = session
+            if trace.workflow:
+                workflow = self.state.workflows.get(trace.workflow)
+                if workflow is not None and not workflow.session:
+                    workflow.session = session
 
     def _offer(self, trace: _Trace, span_id: str, links: SpanLinks, time_ns: int | None) -> None:
         if span_id in trace.offers or len(trace.offers) >= MAX_OFFERS_PER_TRACE:
@@ -354,6 +469,14 @@ class IdentityResolver:
             else:
                 action.record["session_id"] = session
                 action.links = links = links._replace(session_named=True)
+        if links.covered_by:
+            if links.covered_by in trace.covers:
+                record = action.record
+                if "result" not in record and not record.get("result_ref"):
+                    record["result_ref"] = links.covered_by
+                action.links = links = links._replace(covered_by="")
+            elif not final:
+                complete = False
         if links.tool_name is not None:
             call_id = self._take_call(trace, links, action)
             if call_id is None:
@@ -384,7 +507,9 @@ class IdentityResolver:
                     return None
                 break
             span = grandparent
-        return trace.first
+        if trace.first is not None:
+            return trace.first
+        return self._workflow_session(trace, final)
 
     def _take_call(self, trace: _Trace, links: SpanLinks, action: Action) -> str | None:
         span_id = action.delivery_key[1] if action.delivery_key is not None else ""
@@ -417,6 +542,174 @@ class IdentityResolver:
         if len(trace.linked) < MAX_SPANS_PER_TRACE:
             trace.linked[span_id] = call_id
         return call_id
+
+    # -- what a durable runtime recorded -------------------------------------------------------
+
+    def _note_annotated(self, items: Sequence[Item]) -> None:
+        """The parents of the annotated actions among ``items``, before any of them is admitted.
+
+        A span ends, and is exported, before its parent; but one request groups its spans by
+        instrumentation scope, so an annotated action may come after the framework's tool span
+        that holds it within the same request.
+        """
+        for item in items:
+            if isinstance(item, Action):
+                links = item.links
+                if links is not None and links.role == ROLE_ANNOTATED and links.parent_span_id and item.delivery_key:
+                    trace = self._trace(item.delivery_key[0], item.time_ns)
+                    if len(trace.annotated) < MAX_SPANS_PER_TRACE:
+                        trace.annotated.add(links.parent_span_id)
+
+    @staticmethod
+    def _one_per_call(trace: _Trace, span_id: str, links: SpanLinks) -> bool:
+        """True for a framework's tool span that holds an annotated action (that action is the call)."""
+        return links.role == ROLE_TOOL and span_id in trace.annotated
+
+    def _join_workflow(self, trace: _Trace, workflow_id: str) -> _Workflow:
+        workflows = self.state.workflows
+        workflow = workflows.get(workflow_id)
+        if workflow is None:
+            if len(workflows) >= MAX_WORKFLOWS:
+                workflows.popitem(last=False)
+            workflow = workflows[workflow_id] = _Workflow()
+        else:
+            workflows.move_to_end(workflow_id)
+        if not trace.workflow:
+            trace.workflow = workflow_id
+        if trace.first is not None and not workflow.session:
+            workflow.session = trace.first
+        return workflow
+
+    def _workflow_session(self, trace: _Trace, final: bool) -> str | None:
+        """The session of the trace's workflow, named by another of its traces; finally the workflow id."""
+        if not trace.workflow:
+            return None
+        workflow = self.state.workflows.get(trace.workflow)
+        if workflow is not None and workflow.session:
+            return workflow.session
+        return trace.workflow if final else None
+
+    def _runtime(self, trace: _Trace, action: Action, links: SpanLinks) -> None:
+        """A span of a durable runtime's workflow, or the record of a step that completed."""
+        workflow = self._join_workflow(trace, links.workflow) if links.workflow else None
+        if not links.step:
+            return
+        if workflow is None:  # a LangGraph node's checkpoint: what the node's spans produced is recorded
+            if len(trace.covers) < MAX_SPANS_PER_TRACE:
+                trace.covers.add(action.action_id)
+            return
+        # The k-th completion of this step in this run; the same step's k-th completion in another
+        # run of the workflow came first (the runs replay in order), so this one is its replay.
+        record = action.record
+        run = f"{record.get('instance') or ''}/{action.delivery_key[0] if action.delivery_key else ''}"
+        steps = workflow.runs.get(run)
+        if steps is None:
+            if len(workflow.runs) >= MAX_RUNS_PER_WORKFLOW:
+                del workflow.runs[next(iter(workflow.runs))]
+            steps = workflow.runs[run] = {}
+        if links.step not in steps and len(steps) >= MAX_STEPS_PER_RUN:
+            return
+        count = steps[links.step] = steps.get(links.step, 0) + 1
+        replayed = any(other.get(links.step, 0) >= count for key, other in workflow.runs.items() if key != run)
+        record_id = f"{record['action_id']}#{count}"
+        record["action_id"] = record_id
+        if replayed:
+            record["replayed"] = True
+        if links.parent_span_id and len(trace.steps) < MAX_SPANS_PER_TRACE:
+            trace.steps[links.parent_span_id] = (record_id, replayed)
+
+    @staticmethod
+    def _record_of_step(trace: _Trace, span_id: str, action: Action) -> None:
+        """An action whose span holds a completed step: the step recorded its outcome, or served it."""
+        step = trace.steps.get(span_id)
+        if step is None:
+            return
+        record_id, replayed = step
+        record = action.record
+        if "result" not in record and not record.get("result_ref"):
+            record["result_ref"] = record_id
+        if replayed:
+            record["replayed"] = True
+
+    # -- decisions on deferred tool calls ---------------------------------------------------------
+
+    def _decide_deferred(
+        self, out: list[Action | Malformed], runs: list[tuple[int, str, int]]
+    ) -> list[Action | Malformed]:
+        """The decisions a framework shows by what the session's next run did with a deferred call.
+
+        pydantic-ai ends a run that needs approval with the calls deferred (a wait each, from
+        the converter) and resumes in the session's next run: an approved call runs there (its
+        span carries the call id), a denied one does not run. So the call's execution is its
+        grant, and a later run of the session that ends without executing it, its denial. A
+        decision the code recorded itself (``approval_decision`` with the call as plan) is the
+        decision: nothing is derived for that call.
+        """
+        deferred = self.state.deferred
+        # Decisions the code recorded, wherever they are in this batch (a request groups its spans
+        # by instrumentation scope, so the helper's decision may come after the run it allowed).
+        recorded = {
+            (str(a.record.get("session_id", "")), str(a.record.get("plan_version")))
+            for a in out
+            if isinstance(a, Action) and a.record.get("approval_decision") is not None
+        }
+        result: list[Action | Malformed] = []
+        pending_runs = iter(runs)
+        run = next(pending_runs, None)
+        for index, item in enumerate(out):
+            while run is not None and run[0] <= index:
+                self._deny_before(run, result)
+                run = next(pending_runs, None)
+            if isinstance(item, Action):
+                record = item.record
+                session = str(record.get("session_id", ""))
+                links = item.links
+                if links is not None and links.role == ROLE_DEFERRED:
+                    if (session, str(record.get("plan_version"))) not in recorded:
+                        self._defer(session, item)
+                elif session in deferred:
+                    calls = deferred[session]
+                    plan = record.get("plan_version")
+                    if record.get("approval_decision") is not None and isinstance(plan, str) and plan in calls:
+                        del calls[plan]  # the code recorded the decision itself
+                    elif record.get("kind") != "approval" and item.action_id in calls:
+                        tool, _ = calls.pop(item.action_id)
+                        result.append(_decision(item, session, tool=tool, call=item.action_id, decision="granted",
+                                                time_ns=(item.time_ns or 1) - 1))
+                    if not calls:
+                        del deferred[session]
+            result.append(item)
+        while run is not None:
+            self._deny_before(run, result)
+            run = next(pending_runs, None)
+        return result
+
+    def _defer(self, session: str, wait: Action) -> None:
+        plan = wait.record.get("plan_version")
+        if not isinstance(plan, str):
+            return
+        deferred = self.state.deferred
+        calls = deferred.get(session)
+        if calls is None:
+            if len(deferred) >= MAX_DEFERRED_SESSIONS:
+                deferred.popitem(last=False)
+            calls = deferred[session] = {}
+        if len(calls) < MAX_DEFERRED_PER_SESSION:
+            tool = wait.action_id.split(":", 2)[1] if wait.action_id.count(":") >= 2 else ""
+            calls[plan] = (tool, wait.time_ns or 0)
+
+    def _deny_before(self, run: tuple[int, str, int], result: list[Action | Malformed]) -> None:
+        """A later run of the session ended: the deferred calls it did not execute were denied."""
+        _, session, time_ns = run
+        calls = self.state.deferred.get(session)
+        if not calls:
+            return
+        for call, (tool, waited_ns) in list(calls.items()):
+            if waited_ns < time_ns:
+                del calls[call]
+                result.append(_decision(None, session, tool=tool, call=call, decision="denied", time_ns=time_ns))
+        if not calls:
+            del self.state.deferred[session]
 
     # -- holding ---------------------------------------------------------------------------
 
@@ -500,6 +793,34 @@ class IdentityResolver:
             self._pending_release.clear()
 
 
+def _decision(
+    trigger: Action | None, session: str, *, tool: str, call: str, decision: str, time_ns: int
+) -> Action:
+    """The decision on a deferred call, as the annotate helper would record it, placed where it shows."""
+    record: dict[str, Any] = {
+        "session_id": session,
+        # Not the helper's id: a decision the code also records is a record of its own.
+        "action_id": f"approval:{tool}:{call}:shown",
+        "kind": "approval",
+        "status": "ok",
+        "approval_decision": decision,
+        "plan_version": call,
+        "time": format_rfc3339(time_ns),
+    }
+    key: tuple[str, str, int] | None = None
+    seq = 0
+    if trigger is not None:
+        for field in ("trace_id", "span_id", "service", "instance"):
+            if field in trigger.record:
+                record[field] = trigger.record[field]
+        if trigger.delivery_key is not None:
+            key = (trigger.delivery_key[0], trigger.delivery_key[1], _DECISION_INDEX)
+        seq = trigger.seq
+    else:
+        key = (session, call, _DECISION_INDEX)
+    return Action(record, "span", trigger.origin if trigger is not None else "", None, time_ns, seq, key)
+
+
 def _remembered(trace: _Trace) -> int:
     """Spans a trace remembers as possible ancestors (bounded by MAX_SPANS_PER_TRACE)."""
     return len(trace.parents) + len(trace.named)
@@ -516,7 +837,16 @@ def _action_to_plain(action: Action) -> dict[str, Any]:
         "synthetic_action_id": action.synthetic_action_id,
         "links": None
         if links is None
-        else [links.parent_span_id, links.session_named, links.tool_name, [list(c) for c in links.offered]],
+        else [
+            links.parent_span_id,
+            links.session_named,
+            links.tool_name,
+            [list(c) for c in links.offered],
+            links.role,
+            links.covered_by,
+            links.workflow,
+            links.step,
+        ],
     }
 
 
@@ -533,5 +863,18 @@ def _action_from_plain(plain: Mapping[str, Any]) -> Action:
         synthetic_action_id=bool(plain.get("synthetic_action_id", False)),
         links=None
         if links is None
-        else SpanLinks(str(links[0]), bool(links[1]), links[2], tuple((str(n), str(i)) for n, i in links[3])),
+        else SpanLinks(
+            str(links[0]),
+            bool(links[1]),
+            links[2],
+            tuple((str(n), str(i)) for n, i in links[3]),
+            *_links_tail(links),
+        ),
     )
+
+
+def _links_tail(links: list[Any]) -> tuple[int, str, str, str]:
+    """role, covered_by, workflow, step (absent from rows written before they existed)."""
+    if len(links) < 8:
+        return 0, "", "", ""
+    return int(links[4]), str(links[5]), str(links[6]), str(links[7])

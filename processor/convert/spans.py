@@ -87,6 +87,8 @@ _DERIVED_INDEX: Final = 1 << 24
 # a map lookup costs about half of what creating and hashing one key string does).
 _WALK_KEYS_UP_TO: Final = 24
 # The event name's bytes not followed by "." (see _may_hold_durable_events).
+# Annotated kinds recorded inside a tool without being the tool's call.
+_NOT_A_CALL: Final = frozenset({"checkpoint", "approval"})
 _DURABLE_EVENT_NAME_ALONE: Final = re.compile(re.escape(DURABLE_EVENT_NAME.encode()) + rb"(?!\.)")
 
 
@@ -334,7 +336,7 @@ class SpanConverter:
         if synthetic:
             action_id = f"span-{span_hex}"
         default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
-        role = ROLE_ANNOTATED if marked else ROLE_TOOL if verdict is not None and verdict.tool_name else 0
+        role = _role(marked, own, verdict)
         record = self._record(session, action_id, kind, default_status=default_status, merged=merged, verdict=verdict)
         time_ns = self._place(record, span.start_time_unix_nano, trace_hex, span_hex, resource)
         action = Action(
@@ -466,7 +468,7 @@ class SpanConverter:
                 links = SpanLinks(parent, named)
             # One action per tool call: the identity stage lets an annotated action inside a
             # framework's tool span stand for the call.
-            role = ROLE_ANNOTATED if marked else ROLE_TOOL if verdict is not None and verdict.tool_name else 0
+            role = _role(marked, own, verdict)
             if role or reading.covered_by or reading.workflow:
                 links = links._replace(role=role, covered_by=reading.covered_by, workflow=reading.workflow)
             default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
@@ -751,6 +753,15 @@ def _may_hold_durable_events(data: bytes) -> bool:
     name. One scan of the bytes costs far less than asking every span for its events.
     """
     return _DURABLE_EVENT_NAME_ALONE.search(data) is not None
+
+
+def _role(marked: bool, own: dict[str, Any], verdict: Verdict | None) -> int:
+    """SpanLinks.role: an annotated action that can stand for the tool call around it (not a
+    checkpoint, wait or decision recorded inside the tool), or a framework's tool span."""
+    if marked:
+        annotated_call = own.get("kind") not in _NOT_A_CALL and "workflow_state" not in own
+        return ROLE_ANNOTATED if annotated_call and "approval_decision" not in own else 0
+    return ROLE_TOOL if verdict is not None and verdict.tool_name else 0
 
 
 def _has_key_prefix(attributes: Any, mapped: bool, prefix: tuple[str, ...]) -> bool:

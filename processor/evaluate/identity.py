@@ -72,6 +72,8 @@ MAX_HELD: Final = 65536
 MAX_WORKFLOWS: Final = 1024
 MAX_RUNS_PER_WORKFLOW: Final = 8
 MAX_STEPS_PER_RUN: Final = 64
+# Spans looked through, between a framework's tool span and the annotated action inside it.
+_HOLDER_DEPTH: Final = 4
 # Sessions with deferred tool calls awaiting a decision remembered, and calls per session.
 MAX_DEFERRED_SESSIONS: Final = 4096
 MAX_DEFERRED_PER_SESSION: Final = 64
@@ -309,6 +311,8 @@ class IdentityResolver:
                 self._remember(trace, item.span_id, item.parent_span_id, item.session_id or None, ancestor=True)
                 if item.workflow:
                     self._join_workflow(trace, item.workflow)
+                if trace.annotated and item.span_id in trace.annotated and item.parent_span_id:
+                    trace.annotated.add(item.parent_span_id)
                 if (deferring or state.deferred) and item.session_id and time_ns is not None:
                     runs.append((len(out), item.session_id, time_ns))
                 self._retry(trace, out)
@@ -552,13 +556,36 @@ class IdentityResolver:
         instrumentation scope, so an annotated action may come after the framework's tool span
         that holds it within the same request.
         """
+        # Spans between a tool span and the annotated action it holds: a durable runtime's step, a
+        # container (trace id, span id, parent span id).
+        between: list[tuple[str, str, str]] = []
         for item in items:
             if isinstance(item, Action):
                 links = item.links
-                if links is not None and links.role == ROLE_ANNOTATED and links.parent_span_id and item.delivery_key:
+                if links is None or not links.parent_span_id or item.delivery_key is None:
+                    continue
+                if links.role == ROLE_ANNOTATED:
                     trace = self._trace(item.delivery_key[0], item.time_ns)
                     if len(trace.annotated) < MAX_SPANS_PER_TRACE:
                         trace.annotated.add(links.parent_span_id)
+                elif links.step:
+                    between.append((item.delivery_key[0], item.delivery_key[1], links.parent_span_id))
+            elif isinstance(item, SessionMark) and item.parent_span_id:
+                between.append((item.trace_id, item.span_id, item.parent_span_id))
+        for _ in range(_HOLDER_DEPTH):
+            grew = False
+            for trace_id, span_id, parent in between:
+                holder = self.state.traces.get(trace_id)
+                if (
+                    holder is not None
+                    and span_id in holder.annotated
+                    and parent not in holder.annotated
+                    and len(holder.annotated) < MAX_SPANS_PER_TRACE
+                ):
+                    holder.annotated.add(parent)
+                    grew = True
+            if not grew:
+                break
 
     @staticmethod
     def _one_per_call(trace: _Trace, span_id: str, links: SpanLinks) -> bool:
@@ -591,6 +618,13 @@ class IdentityResolver:
 
     def _runtime(self, trace: _Trace, action: Action, links: SpanLinks) -> None:
         """A span of a durable runtime's workflow, or the record of a step that completed."""
+        if (
+            links.step
+            and action.delivery_key is not None
+            and action.delivery_key[1] in trace.annotated
+            and len(trace.annotated) < MAX_SPANS_PER_TRACE
+        ):
+            trace.annotated.add(links.parent_span_id)  # the step holds an annotated action: so does its parent
         workflow = self._join_workflow(trace, links.workflow) if links.workflow else None
         if not links.step:
             return
@@ -629,7 +663,9 @@ class IdentityResolver:
         if "result" not in record and not record.get("result_ref"):
             record["result_ref"] = record_id
         if replayed:
+            # Served from the record: recovery stepped over the work (no effect ran again).
             record["replayed"] = True
+            record.setdefault("replay", "skip")
 
     # -- decisions on deferred tool calls ---------------------------------------------------------
 

@@ -234,8 +234,9 @@ class SpanLinks(NamedTuple):
     covered_by: str = ""
     # The durable runtime's workflow the span runs in (a DBOS workflow id).
     workflow: str = ""
-    # On the record of a durable runtime's completed step: the step's name.
+    # On the record of a durable runtime's completed step: the step's name, and when it began.
     step: str = ""
+    step_start_ns: int = 0
 
 
 ROLE_ANNOTATED: Final = 1

@@ -349,7 +349,7 @@ class SpanConverter:
             (trace_hex, span_hex, 0),
             synthetic,
             # tuple.__new__ skips the NamedTuple's Python-level __new__: this runs for every action.
-            tuple.__new__(SpanLinks, (span.parent_span_id.hex(), named, None, (), role, "", "", "")),
+            tuple.__new__(SpanLinks, (span.parent_span_id.hex(), named, None, (), role, "", "", "", 0)),
         )
         out.actions.append(action)
         out.items.append(action)
@@ -507,7 +507,8 @@ class SpanConverter:
                 seq=seq_start + len(out.actions),
             )
             if isinstance(item, Action) and (derived.step or derived.role or reading.workflow):
-                item.links = SpanLinks(parent, named, role=derived.role, workflow=reading.workflow, step=derived.step)
+                item.links = SpanLinks(parent, named, role=derived.role, workflow=reading.workflow, step=derived.step,
+                                       step_start_ns=span.start_time_unix_nano if derived.step else 0)
             _append(out, item)
             appended = True
 

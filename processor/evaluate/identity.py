@@ -72,6 +72,8 @@ MAX_HELD: Final = 65536
 MAX_WORKFLOWS: Final = 1024
 MAX_RUNS_PER_WORKFLOW: Final = 8
 MAX_STEPS_PER_RUN: Final = 64
+# SpanLinks.covered_by of a model call held for a step of its parent's (see _step_beside).
+_BESIDE_A_STEP: Final = "\x00beside-a-step"
 # Spans looked through, between a framework's tool span and the annotated action inside it.
 _HOLDER_DEPTH: Final = 4
 # Sessions with deferred tool calls awaiting a decision remembered, and calls per session.
@@ -122,8 +124,8 @@ class _Workflow:
 
 class _Trace:
     __slots__ = (
-        "annotated", "covers", "first", "held", "last_ns", "linked", "named", "offers", "parents", "plain", "steps",
-        "workflow",
+        "annotated", "covers", "first", "held", "last_ns", "linked", "named", "offers", "parents", "plain",
+        "step_spans", "steps", "workflow",
     )
 
     def __init__(self) -> None:
@@ -147,6 +149,8 @@ class _Trace:
         self.workflow = ""
         self.covers: set[str] = set()
         self.steps: dict[str, tuple[str, bool]] = {}
+        # Per parent span, its completed steps: (began, ended, record id, served from the record).
+        self.step_spans: dict[str, list[tuple[int, int, str, bool]]] = {}
         self.annotated: set[str] = set()
         # Its plain form as last written, None once changed: a store writes the whole state
         # every batch, and only the traces a batch touched are converted again.
@@ -168,6 +172,7 @@ class _Trace:
                 "workflow": self.workflow,
                 "covers": sorted(self.covers),
                 "steps": {span: list(step) for span, step in self.steps.items()},
+                "step_spans": {span: [list(s) for s in spans] for span, spans in self.step_spans.items()},
                 "annotated": sorted(self.annotated),
             }
         return self.plain
@@ -264,6 +269,10 @@ class IdentityState:
             trace.covers = {str(c) for c in body.get("covers", ())}
             trace.steps = {str(s): (str(step[0]), bool(step[1])) for s, step in body.get("steps", {}).items()}
             trace.annotated = {str(a) for a in body.get("annotated", ())}
+            trace.step_spans = {
+                str(s): [(int(b), int(e), str(r), bool(x)) for b, e, r, x in spans]
+                for s, spans in body.get("step_spans", {}).items()
+            }
             state.held += len(trace.held)
             state.traces[str(trace_id)] = trace
             state.expiry.extend((h.action.time_ns or 0, h.action.seq, str(trace_id)) for h in trace.held)
@@ -292,7 +301,7 @@ class IdentityResolver:
         touched = state.touched
         if not isinstance(items, list | tuple):
             items = list(items)
-        self._note_annotated(items)
+        self._prepare(items)
         # Runs of sessions with deferred calls that began (where in ``out``, session, when).
         runs: list[tuple[int, str, int]] = []
         deferring = False
@@ -345,8 +354,11 @@ class IdentityResolver:
                 continue
             if trace.steps:
                 self._record_of_step(trace, span_id, item)
-            if links.workflow or links.step:
-                self._runtime(trace, item, links)
+            if trace.workflow and not links.covered_by and links.parent_span_id and _unrecorded_model_call(item):
+                # A durable runtime may have recorded the call in a step beside its span (the OpenAI
+                # Agents SDK's model calls are DBOS steps next to the SDK's spans): known once the
+                # parent, which ends after both, has arrived.
+                item.links = links = links._replace(covered_by=_BESIDE_A_STEP)
             if links.session_named and links.tool_name is None and not links.offered and not links.covered_by:
                 # Nothing to resolve (the usual span names its session): remembered for its trace, passed on.
                 self._remember(trace, span_id, links.parent_span_id, item.session_id, ancestor=True)
@@ -473,7 +485,13 @@ class IdentityResolver:
             else:
                 action.record["session_id"] = session
                 action.links = links = links._replace(session_named=True)
-        if links.covered_by:
+        if links.covered_by == _BESIDE_A_STEP:
+            if links.parent_span_id in trace.parents or links.parent_span_id in trace.named or final:
+                self._step_beside(trace, action)
+                action.links = links = links._replace(covered_by="")
+            else:
+                complete = False
+        elif links.covered_by:
             if links.covered_by in trace.covers:
                 record = action.record
                 if "result" not in record and not record.get("result_ref"):
@@ -549,12 +567,13 @@ class IdentityResolver:
 
     # -- what a durable runtime recorded -------------------------------------------------------
 
-    def _note_annotated(self, items: Sequence[Item]) -> None:
-        """The parents of the annotated actions among ``items``, before any of them is admitted.
+    def _prepare(self, items: Sequence[Item]) -> None:
+        """What ``items`` say about their traces before any of them is admitted: the parents of
+        annotated actions, durable runtimes' workflows and completed steps.
 
         A span ends, and is exported, before its parent; but one request groups its spans by
-        instrumentation scope, so an annotated action may come after the framework's tool span
-        that holds it within the same request.
+        instrumentation scope, so an annotated action or a step may come after the framework's
+        span that holds it, or beside it, within the same request.
         """
         # Spans between a tool span and the annotated action it holds: a durable runtime's step, a
         # container (trace id, span id, parent span id).
@@ -570,8 +589,13 @@ class IdentityResolver:
                         trace.annotated.add(links.parent_span_id)
                 elif links.step:
                     between.append((item.delivery_key[0], item.delivery_key[1], links.parent_span_id))
-            elif isinstance(item, SessionMark) and item.parent_span_id:
-                between.append((item.trace_id, item.span_id, item.parent_span_id))
+                if links.workflow or links.step:
+                    self._runtime(self._trace(item.delivery_key[0], item.time_ns), item, links)
+            elif isinstance(item, SessionMark):
+                if item.parent_span_id:
+                    between.append((item.trace_id, item.span_id, item.parent_span_id))
+                if item.workflow:
+                    self._join_workflow(self._trace(item.trace_id, item.time_ns), item.workflow)
         for _ in range(_HOLDER_DEPTH):
             grew = False
             for trace_id, span_id, parent in between:
@@ -651,6 +675,22 @@ class IdentityResolver:
             record["replayed"] = True
         if links.parent_span_id and len(trace.steps) < MAX_SPANS_PER_TRACE:
             trace.steps[links.parent_span_id] = (record_id, replayed)
+            trace.step_spans.setdefault(links.parent_span_id, []).append(
+                (links.step_start_ns, action.time_ns or 0, record_id, replayed)
+            )
+
+    @staticmethod
+    def _step_beside(trace: _Trace, action: Action) -> None:
+        """A completed step under the same parent that was running when the action began records it."""
+        assert action.links is not None
+        began = action.time_ns or 0
+        for start_ns, end_ns, record_id, replayed in trace.step_spans.get(action.links.parent_span_id, ()):
+            if start_ns <= began <= end_ns:
+                record = action.record
+                record["result_ref"] = record_id
+                if replayed:
+                    record["replayed"] = True
+                return
 
     @staticmethod
     def _record_of_step(trace: _Trace, span_id: str, action: Action) -> None:
@@ -857,6 +897,11 @@ def _decision(
     return Action(record, "span", trigger.origin if trigger is not None else "", None, time_ns, seq, key)
 
 
+def _unrecorded_model_call(action: Action) -> bool:
+    record = action.record
+    return record.get("kind") == "llm_call" and "result" not in record and not record.get("result_ref")
+
+
 def _remembered(trace: _Trace) -> int:
     """Spans a trace remembers as possible ancestors (bounded by MAX_SPANS_PER_TRACE)."""
     return len(trace.parents) + len(trace.named)
@@ -882,6 +927,7 @@ def _action_to_plain(action: Action) -> dict[str, Any]:
             links.covered_by,
             links.workflow,
             links.step,
+            links.step_start_ns,
         ],
     }
 
@@ -909,8 +955,8 @@ def _action_from_plain(plain: Mapping[str, Any]) -> Action:
     )
 
 
-def _links_tail(links: list[Any]) -> tuple[int, str, str, str]:
-    """role, covered_by, workflow, step (absent from rows written before they existed)."""
-    if len(links) < 8:
-        return 0, "", "", ""
-    return int(links[4]), str(links[5]), str(links[6]), str(links[7])
+def _links_tail(links: list[Any]) -> tuple[int, str, str, str, int]:
+    """role, covered_by, workflow, step, step_start_ns (absent from rows written before they existed)."""
+    if len(links) < 9:
+        return 0, "", "", "", 0
+    return int(links[4]), str(links[5]), str(links[6]), str(links[7]), int(links[8])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,11 @@ import orjson
 import pytest
 
 from processor import cli
+from tests._spans import reference_request
 from tests.convert_parity import assert_convert_agrees_with_replay
 from tests.durable_runtimes.agent import CHARGE_ACTION, CRASH_EXIT, SESSION
 from tests.durable_runtimes.corpus import Facts, generate
+from tests.serve_support import config_file, keys_of, read_jsonl, running, serve_config, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +39,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, lis
     yield out, generate(out)
 
 
-def replay(dump: Path) -> list[dict[str, Any]]:
+def replay(dump: Path, config: Path | None = None) -> list[dict[str, Any]]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        cli.main(["replay", "--format", "json", str(dump)])
+        cli.main(["replay", "--format", "json", *(["--config", str(config)] if config else []), str(dump)])
     violations: list[dict[str, Any]] = orjson.loads(out.getvalue())["violations"]
     return violations
 
@@ -100,3 +103,23 @@ def test_convert_writes_the_records_replay_evaluates(corpus: tuple[Path, list[Fa
     out, runs = corpus
     for facts in runs:
         assert_convert_agrees_with_replay(out / facts.name / "dump.jsonl")
+
+
+@pytest.mark.parametrize("run", ["agents-sdk-dbos-broken-in_charge", "langgraph-well-in_charge",
+                                 "pydantic-ai-dbos-well-before_second_model"])
+def test_serve_gives_the_replay_verdicts(corpus: tuple[Path, list[Facts]], run: str, tmp_path: Path) -> None:
+    # The dump's requests as the agents' exporters sent them, over OTLP/HTTP to a real serve.
+    out, _ = corpus
+    requests = [reference_request(line) for line in (out / run / "dump.jsonl").read_bytes().splitlines() if line]
+    spans = sum(len(s.spans) for r in requests for rs in r.resource_spans for s in rs.scope_spans)
+    with running(serve_config(tmp_path)) as server:
+        for request in requests:
+            post = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/traces",
+                                          data=request.SerializeToString(),
+                                          headers={"Content-Type": "application/x-protobuf"})
+            with urllib.request.urlopen(post, timeout=10) as response:
+                assert response.status == 200
+        assert wait_for(lambda: server.worker.processed_spans >= spans, 20)
+    served = keys_of(read_jsonl(tmp_path / "violations.jsonl"))
+    replayed = keys_of(replay(out / run / "dump.jsonl", config_file(tmp_path)))
+    assert served == replayed

@@ -354,10 +354,16 @@ class IdentityResolver:
                 continue
             if trace.steps:
                 self._record_of_step(trace, span_id, item)
-            if trace.workflow and not links.covered_by and links.parent_span_id and _unrecorded_model_call(item):
-                # A durable runtime may have recorded the call in a step beside its span (the OpenAI
-                # Agents SDK's model calls are DBOS steps next to the SDK's spans): known once the
-                # parent, which ends after both, has arrived.
+            if (
+                not links.covered_by
+                and links.parent_span_id
+                and links.parent_span_id not in trace.parents
+                and links.parent_span_id not in trace.named
+                and _unrecorded_model_call(item)
+            ):
+                # A durable runtime may record the call in a step beside its span (the OpenAI Agents
+                # SDK's model calls are DBOS steps next to the SDK's spans), which may arrive after it:
+                # known once the parent, which ends after both, has arrived. Whatever the batches.
                 item.links = links = links._replace(covered_by=_BESIDE_A_STEP)
             if links.session_named and links.tool_name is None and not links.offered and not links.covered_by:
                 # Nothing to resolve (the usual span names its session): remembered for its trace, passed on.

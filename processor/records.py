@@ -239,6 +239,9 @@ class SpanLinks(NamedTuple):
     step_start_ns: int = 0
 
 
+# SpanLinks.covered_by of a model call that a durable runtime may record in a step beside its
+# span, under the same parent (the OpenAI Agents SDK on DBOS): resolved once the parent arrives.
+COVERED_BY_STEP_BESIDE: Final = "\x00step-beside"
 ROLE_ANNOTATED: Final = 1
 ROLE_TOOL: Final = 2
 # A wait for approval of a deferred tool call that the framework decides by running the call or

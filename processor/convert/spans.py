@@ -58,6 +58,7 @@ from processor.convert.profiles import (
 from processor.convert.timefmt import format_rfc3339
 from processor.convert.wire import MappedTracesData
 from processor.records import (
+    COVERED_BY_STEP_BESIDE,
     INT64_MAX,
     ROLE_ANNOTATED,
     ROLE_TOOL,
@@ -87,6 +88,10 @@ _DERIVED_INDEX: Final = 1 << 24
 # a map lookup costs about half of what creating and hashing one key string does).
 _WALK_KEYS_UP_TO: Final = 24
 # The event name's bytes not followed by "." (see _may_hold_durable_events).
+# Instrumentations whose model-call spans sit beside, not inside, the durable runtime's step that
+# runs the call: OpenInference's for the OpenAI Agents SDK, whose spans follow the SDK's own trace
+# while dbos-openai-agents runs each model call as a DBOS step under the same parent.
+MODEL_CALLS_BESIDE_STEPS: Final = frozenset({"openinference.instrumentation.openai_agents"})
 # Annotated kinds recorded inside a tool without being the tool's call.
 _NOT_A_CALL: Final = frozenset({"checkpoint", "approval"})
 _DURABLE_EVENT_NAME_ALONE: Final = re.compile(re.escape(DURABLE_EVENT_NAME.encode()) + rb"(?!\.)")
@@ -186,6 +191,7 @@ class SpanConverter:
             out.resource_spans += 1
             resource = self._read_resource(resource_spans.resource)
             for scope_spans in resource_spans.scope_spans:
+                beside = scope_spans.scope.name in MODEL_CALLS_BESIDE_STEPS
                 for span in scope_spans.spans:
                     spans_total += 1
                     found: dict[str, AnyValue] = {}
@@ -202,6 +208,7 @@ class SpanConverter:
                         origin=origin,
                         seq_start=seq_start,
                         out=out,
+                        beside_steps=beside,
                     ):
                         spans_not_actions += 1
         out.spans_total = spans_total
@@ -240,6 +247,7 @@ class SpanConverter:
             # A resource that names a session marks its spans; one with problems spoils them: both general.
             plain_resource = not (resource.names_session or resource.problems)
             for scope_spans in resource_spans.scope_spans:
+                beside = scope_spans.scope.name in MODEL_CALLS_BESIDE_STEPS
                 for span in scope_spans.spans:
                     spans_total += 1
                     if unknown_fields(span):
@@ -270,6 +278,7 @@ class SpanConverter:
                         origin=origin,
                         seq_start=seq_start,
                         out=out,
+                        beside_steps=beside,
                     ):
                         spans_not_actions += 1
         out.spans_total = spans_total
@@ -413,8 +422,12 @@ class SpanConverter:
         origin: str,
         seq_start: int,
         out: ConvertResult,
+        beside_steps: bool = False,
     ) -> bool:
         """Append the span's items to ``out``; False when it gave none (not an action).
+
+        ``beside_steps``: the span's instrumentation traces model calls beside the durable
+        runtime's step that runs them (see MODEL_CALLS_BESIDE_STEPS).
 
         ``found``: the span's attributes of the keys some profile reads; ``mapped``: the
         span comes from MappedTracesData (its attributes are a map); ``events``: false
@@ -469,8 +482,11 @@ class SpanConverter:
             # One action per tool call: the identity stage lets an annotated action inside a
             # framework's tool span stand for the call.
             role = _role(marked, own, verdict)
-            if role or reading.covered_by or reading.workflow:
-                links = links._replace(role=role, covered_by=reading.covered_by, workflow=reading.workflow)
+            covered_by = reading.covered_by
+            if beside_steps and not covered_by and verdict is not None and verdict.kind == "llm_call" and parent:
+                covered_by = COVERED_BY_STEP_BESIDE  # recorded, if at all, by a step beside it
+            if role or covered_by or reading.workflow:
+                links = links._replace(role=role, covered_by=covered_by, workflow=reading.workflow)
             default_status = "error" if span.status.code == _STATUS_CODE_ERROR else "ok"
             item = self._build(
                 span,

@@ -46,6 +46,7 @@ from typing import Any, Final
 
 from processor.convert.timefmt import format_rfc3339
 from processor.records import (
+    COVERED_BY_STEP_BESIDE,
     ROLE_ANNOTATED,
     ROLE_DEFERRED,
     ROLE_TOOL,
@@ -72,8 +73,6 @@ MAX_HELD: Final = 65536
 MAX_WORKFLOWS: Final = 1024
 MAX_RUNS_PER_WORKFLOW: Final = 8
 MAX_STEPS_PER_RUN: Final = 64
-# SpanLinks.covered_by of a model call held for a step of its parent's (see _step_beside).
-_BESIDE_A_STEP: Final = "\x00beside-a-step"
 # Spans looked through, between a framework's tool span and the annotated action inside it.
 _HOLDER_DEPTH: Final = 4
 # Sessions with deferred tool calls awaiting a decision remembered, and calls per session.
@@ -169,12 +168,17 @@ class _Trace:
                     for span, o in self.offers.items()
                 ],
                 "held": [[_action_to_plain(h.action), h.received_ns] for h in self.held],
-                "workflow": self.workflow,
-                "covers": sorted(self.covers),
-                "steps": {span: list(step) for span, step in self.steps.items()},
-                "step_spans": {span: [list(s) for s in spans] for span, spans in self.step_spans.items()},
-                "annotated": sorted(self.annotated),
             }
+            # What durable runtimes and annotated actions added: most traces have none of it.
+            if self.workflow:
+                self.plain["workflow"] = self.workflow
+            if self.covers:
+                self.plain["covers"] = sorted(self.covers)
+            if self.steps:
+                self.plain["steps"] = {span: list(step) for span, step in self.steps.items()}
+                self.plain["step_spans"] = {span: [list(s) for s in spans] for span, spans in self.step_spans.items()}
+            if self.annotated:
+                self.plain["annotated"] = sorted(self.annotated)
         return self.plain
 
 
@@ -354,17 +358,6 @@ class IdentityResolver:
                 continue
             if trace.steps:
                 self._record_of_step(trace, span_id, item)
-            if (
-                not links.covered_by
-                and links.parent_span_id
-                and links.parent_span_id not in trace.parents
-                and links.parent_span_id not in trace.named
-                and _unrecorded_model_call(item)
-            ):
-                # A durable runtime may record the call in a step beside its span (the OpenAI Agents
-                # SDK's model calls are DBOS steps next to the SDK's spans), which may arrive after it:
-                # known once the parent, which ends after both, has arrived. Whatever the batches.
-                item.links = links = links._replace(covered_by=_BESIDE_A_STEP)
             if links.session_named and links.tool_name is None and not links.offered and not links.covered_by:
                 # Nothing to resolve (the usual span names its session): remembered for its trace, passed on.
                 self._remember(trace, span_id, links.parent_span_id, item.session_id, ancestor=True)
@@ -491,7 +484,7 @@ class IdentityResolver:
             else:
                 action.record["session_id"] = session
                 action.links = links = links._replace(session_named=True)
-        if links.covered_by == _BESIDE_A_STEP:
+        if links.covered_by == COVERED_BY_STEP_BESIDE:
             if links.parent_span_id in trace.parents or links.parent_span_id in trace.named or final:
                 self._step_beside(trace, action)
                 action.links = links = links._replace(covered_by="")
@@ -581,27 +574,35 @@ class IdentityResolver:
         instrumentation scope, so an annotated action or a step may come after the framework's
         span that holds it, or beside it, within the same request.
         """
-        # Spans between a tool span and the annotated action it holds: a durable runtime's step, a
-        # container (trace id, span id, parent span id).
+        annotating = False
+        for item in items:
+            if not isinstance(item, Action):
+                if isinstance(item, SessionMark) and item.workflow:
+                    self._join_workflow(self._trace(item.trace_id, item.time_ns), item.workflow)
+                continue
+            links = item.links
+            if links is None or item.delivery_key is None:
+                continue
+            if links.role == ROLE_ANNOTATED and links.parent_span_id:
+                trace = self._trace(item.delivery_key[0], item.time_ns)
+                if len(trace.annotated) < MAX_SPANS_PER_TRACE:
+                    trace.annotated.add(links.parent_span_id)
+                    annotating = True
+            if links.workflow or links.step:
+                self._runtime(self._trace(item.delivery_key[0], item.time_ns), item, links)
+        if annotating:
+            self._propagate_annotated(items)
+
+    def _propagate_annotated(self, items: Sequence[Item]) -> None:
+        """A step or a container span holding an annotated action holds it for its parent too."""
+        # Spans between a tool span and the annotated action it holds: (trace id, span id, parent).
         between: list[tuple[str, str, str]] = []
         for item in items:
-            if isinstance(item, Action):
-                links = item.links
-                if links is None or not links.parent_span_id or item.delivery_key is None:
-                    continue
-                if links.role == ROLE_ANNOTATED:
-                    trace = self._trace(item.delivery_key[0], item.time_ns)
-                    if len(trace.annotated) < MAX_SPANS_PER_TRACE:
-                        trace.annotated.add(links.parent_span_id)
-                elif links.step:
-                    between.append((item.delivery_key[0], item.delivery_key[1], links.parent_span_id))
-                if links.workflow or links.step:
-                    self._runtime(self._trace(item.delivery_key[0], item.time_ns), item, links)
-            elif isinstance(item, SessionMark):
+            if isinstance(item, SessionMark):
                 if item.parent_span_id:
                     between.append((item.trace_id, item.span_id, item.parent_span_id))
-                if item.workflow:
-                    self._join_workflow(self._trace(item.trace_id, item.time_ns), item.workflow)
+            elif isinstance(item, Action) and item.links is not None and item.links.step and item.delivery_key:
+                between.append((item.delivery_key[0], item.delivery_key[1], item.links.parent_span_id))
         for _ in range(_HOLDER_DEPTH):
             grew = False
             for trace_id, span_id, parent in between:
@@ -693,7 +694,8 @@ class IdentityResolver:
         for start_ns, end_ns, record_id, replayed in trace.step_spans.get(action.links.parent_span_id, ()):
             if start_ns <= began <= end_ns:
                 record = action.record
-                record["result_ref"] = record_id
+                if "result" not in record and not record.get("result_ref"):
+                    record["result_ref"] = record_id
                 if replayed:
                     record["replayed"] = True
                 return
@@ -901,11 +903,6 @@ def _decision(
     else:
         key = (session, call, _DECISION_INDEX)
     return Action(record, "span", trigger.origin if trigger is not None else "", None, time_ns, seq, key)
-
-
-def _unrecorded_model_call(action: Action) -> bool:
-    record = action.record
-    return record.get("kind") == "llm_call" and "result" not in record and not record.get("result_ref")
 
 
 def _remembered(trace: _Trace) -> int:

@@ -36,6 +36,7 @@ from processor.embedded_http import EmbeddedHttpServer, quiet_accept_errors
 from processor.listener_config import AuthConfig, TLSConfig
 from processor.open_files import soft_limit
 from processor.operate.server import UiServer, attach_views
+from processor.operate.wait_gauges import WaitGauges
 from processor.pipeline import Pipeline
 from processor.receive.budget import ByteBudget
 from processor.receive.forward import AnnotatingHold, Forwarder, forward_headers_for_log, redact_endpoint
@@ -151,11 +152,13 @@ class Server:
                                   max_stall_s=float(config.evaluate.max_stall),
                                   flush_window_on_stop=config.evaluate.flush_window_on_stop),
         )
-        # The operator view (ui.endpoint): its read model is fed by the pipeline from the first batch.
+        # The operator view's read model, fed by the pipeline from the first batch: the open-wait gauges
+        # read it whether the view (ui.endpoint) is served or not, so both always say the same.
+        self.views = views = attach_views(config, pipeline, store)
+        WaitGauges(telemetry, views)
         self.ui: UiServer | None = None
         if config.ui.endpoint:
-            self.ui = UiServer(config, attach_views(config, pipeline, store), pipeline.engine.ruleset, telemetry,
-                               self.ready)
+            self.ui = UiServer(config, views, pipeline.engine.ruleset, telemetry, self.ready)
         self._started = False
         self._draining = False
         self._grpc: OTLPGrpcReceiver | None = None
@@ -248,6 +251,8 @@ class Server:
             await self._http.stop(deadline - time.monotonic(), graceful_s=grace)
         if self.ui is not None:
             await self.ui.stop(max(1.0, min(_RECEIVER_GRACE_S, deadline - time.monotonic())))
+        else:
+            self.views.close()  # the gauges' reader; the view's server closes it when there is one
         logger.debug("shutdown: receivers stopped")
         await loop.run_in_executor(None, self.pipeline.shutdown, max(1.0, deadline - time.monotonic()))
         logger.debug("shutdown: exporters flushed")

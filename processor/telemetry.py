@@ -36,9 +36,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("open_sessions", "durable_check_open_sessions", "gauge",
                "Sessions with state held in memory or in the store."),
     MetricSpec("open_waits", "durable_check_open_waits", "gauge",
-               "Waits (approvals, external events) not yet resolved, by workflow state.", ("state",)),
+               "Sessions waiting (for an approval, an external event, a scheduled retry) with nothing resolving "
+               "it yet, by workflow state: what the view's Waiting now lists, those past their deadline included.",
+               ("state",)),
+    MetricSpec("expired_waits", "durable_check_expired_waits", "gauge",
+               "Open waits past their deadline (also in durable_check_open_waits), by workflow state.", ("state",)),
     MetricSpec("oldest_open_wait_age", "durable_check_oldest_open_wait_age_seconds", "gauge",
-               "Age of the oldest unresolved wait: stuck work made visible."),
+               "Age of the oldest open wait, expired ones included: stuck work made visible."),
     MetricSpec("sessions_evicted", "durable_check_sessions_evicted", "counter",
                "Sessions dropped because the open-session bound was reached."),
     MetricSpec("state_entries", "durable_check_state_entries", "gauge",
@@ -118,6 +122,7 @@ class Telemetry:
     actions: Counter
     open_sessions: Gauge
     open_waits: Gauge
+    expired_waits: Gauge
     oldest_open_wait_age: Gauge
     sessions_evicted: Counter
     state_entries: Gauge

@@ -571,22 +571,3 @@ def test_session_state_layout_round_trips(tmp_path: Path) -> None:
     assert back.kinds_dict() == {"write": 2, "email": 1}
     assert back.get_group(0, key_digest("b")) == ("write",)
     assert back.check_seen(69 * 7919, limit=1000) is True
-
-
-def test_wait_gauges(tmp_path: Path) -> None:
-    rules = rules_from(tmp_path, ABSENCE)
-    tm = Telemetry()
-    clock = [T0]
-    engine = Engine(rules, EngineOptions(mode="serve", allowed_lateness_s=1), telemetry=tm, clock=lambda: clock[0])
-    span = Spans()
-    engine.submit(span(0, action_id="w", workflow_state="awaiting_approval", wait_timeout_s=600))
-    engine.tick(T0 + 2 * S)
-    get = tm.registry.get_sample_value
-    assert get("durable_check_open_waits", {"state": "awaiting_approval"}) == 1
-    assert get("durable_check_open_waits", {"state": "waiting_on_external"}) == 0
-    engine.tick(T0 + 62 * S)
-    assert get("durable_check_oldest_open_wait_age_seconds") == 62
-    engine.submit(span(30, approval_decision="granted"))
-    engine.tick(T0 + 64 * S)
-    assert get("durable_check_open_waits", {"state": "awaiting_approval"}) == 0
-    assert get("durable_check_oldest_open_wait_age_seconds") == 0

@@ -163,7 +163,6 @@ _VIEWS_MAX: Final = 1024
 _SHAREABLE_TYPES: Final = frozenset({str, type(None), type(MISSING)})
 _SHAREABLE_DIGESTED: Final = _SHAREABLE_TYPES | {bytes}
 _EXPIRY_BUCKETS: Final = 1024
-_WAIT_STATE_LABELS: Final = ("awaiting_approval", "waiting_on_external", "other")
 
 
 @dataclass(frozen=True)
@@ -820,9 +819,6 @@ class Engine:
         self._tm_evicted = 0
         self._tm_rule_errors: dict[str, int] = {}
         self._services: set[str] = set()
-        self._wait_states: dict[str, int] = {}
-        # Every open wait, oldest first (arrival order): the oldest_open_wait_age gauge reads the first.
-        self._open_waits: dict[Wait, None] = {}
         # Violation ids of fired waits resolved since the last take_resolutions().
         self._resolutions: list[str] = []
         # The identity stage's output (actions with their sessions and call ids resolved), kept for
@@ -852,9 +848,6 @@ class Engine:
             self._entries_total += session.entries
             if session.activity_ns is not None:
                 self._schedule_expiry(session.activity_ns + self._idle_ns, session.session_id)
-            for _, _, wait in session.waits(self._absence_indices):
-                self._wait_states[wait.state] = self._wait_states.get(wait.state, 0) + 1
-                self._open_waits[wait] = None
         for item in state.buffer:
             holder = self._sessions.get(item.action.session_id)
             if holder is not None:
@@ -1644,8 +1637,6 @@ class Engine:
             state=workflow_state,
         )
         self._put(plan, session, key, wait)
-        self._wait_states[workflow_state] = self._wait_states.get(workflow_state, 0) + 1
-        self._open_waits[wait] = None
         if deadline_ns is not None:
             if self._serve:
                 wait.fire_at = min(max(deadline_ns, wait.received_ns) + self._lateness_ns, _LATEST_NS)
@@ -1661,16 +1652,10 @@ class Engine:
         self._unschedule(session, plan, key, wait)
 
     def _unschedule(self, session: SessionState, plan: _Plan, key: GroupKey, wait: Wait) -> None:
-        """A wait is gone from the session: clear its timer and its count."""
+        """A wait is gone from the session: clear its timer."""
         if wait.fire_at is not None:
             self._store.remove_timer(session.session_id, plan.id, key)
             wait.fire_at = None
-        self._open_waits.pop(wait, None)
-        count = self._wait_states.get(wait.state, 0) - 1
-        if count > 0:
-            self._wait_states[wait.state] = count
-        else:
-            self._wait_states.pop(wait.state, None)
 
     def _fire_wait(
         self,
@@ -2048,24 +2033,6 @@ class Engine:
             tm.rule_errors.labels(rule=rule).inc(n)
         self._tm_rule_errors.clear()
         tm.open_sessions.set(len(self._sessions))
-        by_state = dict.fromkeys(_WAIT_STATE_LABELS, 0)
-        for state_name, n in self._wait_states.items():
-            label = state_name if state_name in by_state else "other"
-            by_state[label] += n
-        for label, n in by_state.items():
-            tm.open_waits.labels(state=label).set(n)
-        tm.oldest_open_wait_age.set(self._oldest_wait_age_s())
-
-    def _oldest_wait_age_s(self) -> float:
-        """Age of the first open wait: on the clock since it arrived (serve), in event time since it began (replay)."""
-        oldest = next(iter(self._open_waits), None)
-        if oldest is None:
-            return 0.0
-        if self._serve:
-            return max(0.0, (self._now_ns - oldest.received_ns) / _NS)
-        if oldest.started_ns is None:
-            return 0.0
-        return max(0.0, (self._state.max_event_ns - oldest.started_ns) / _NS)
 
     # -- summary --------------------------------------------------------------------------
 

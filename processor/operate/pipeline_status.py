@@ -58,6 +58,7 @@ def pipeline_status(telemetry: Telemetry) -> dict[str, Any]:
             "mean_seconds": (sum(v for _, v in seconds) / batches) if batches else None,
             "open_sessions": _total(s, "durable_check_open_sessions"),
             "open_waits": _by(s, "durable_check_open_waits", "state"),
+            "expired_waits": _by(s, "durable_check_expired_waits", "state"),
             "oldest_open_wait_age_seconds": _total(s, "durable_check_oldest_open_wait_age_seconds"),
         },
         "state": {

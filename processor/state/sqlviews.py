@@ -28,6 +28,7 @@ from processor.state.views import (
     ViewBounds,
     ViewStore,
     ViolationFilter,
+    WaitSummary,
     _deltas,
     _SessionDelta,
     _wait_row,
@@ -362,6 +363,17 @@ class SqlViews(ViewStore):
         rows = self._rows("SELECT body FROM view_actions WHERE session_id = ? ORDER BY time_ns, seq",
                           (session_id,))
         return [orjson.loads(bytes(r[0])) for r in rows]
+
+    def wait_summary(self, now_ns: int) -> WaitSummary:
+        rows = self._rows(
+            "SELECT state, count(*), sum(CASE WHEN deadline_ns <= ? THEN 1 ELSE 0 END), min(since_ns)"
+            " FROM view_waits GROUP BY state", (now_ns,))
+        oldest = [int(r[3]) for r in rows if r[3] is not None]
+        return WaitSummary(
+            {str(r[0]): int(r[1]) for r in rows},
+            {str(r[0]): int(r[2]) for r in rows if r[2]},
+            min(oldest) if oldest else None,
+        )
 
     def session_count(self) -> int:
         return int(self._rows("SELECT count(*) FROM view_sessions")[0][0])

@@ -34,7 +34,7 @@ import heapq
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -164,6 +164,30 @@ def wait_json(row: dict[str, Any], now_ns: int) -> dict[str, Any]:
     return row
 
 
+@dataclass(slots=True, frozen=True)
+class WaitSummary:
+    """The open waits at one instant: by workflow state, those past their deadline, the oldest."""
+
+    by_state: dict[str, int]
+    expired_by_state: dict[str, int]
+    # When the longest-open wait began (expired ones included), None when nothing waits.
+    oldest_since_ns: int | None
+
+    @classmethod
+    def of(cls, rows: Iterable[tuple[str, int | None, int | None]], now_ns: int) -> WaitSummary:
+        """From (state, since, deadline) of each open wait."""
+        by_state: dict[str, int] = {}
+        expired: dict[str, int] = {}
+        oldest: int | None = None
+        for state, since, deadline in rows:
+            by_state[state] = by_state.get(state, 0) + 1
+            if deadline is not None and deadline <= now_ns:
+                expired[state] = expired.get(state, 0) + 1
+            if since is not None and (oldest is None or since < oldest):
+                oldest = since
+        return cls(by_state, expired, oldest)
+
+
 class ViewStore(ABC):
     """Writes (from the evaluator's thread) and reads (from the web view's threads) of the read model."""
 
@@ -194,6 +218,10 @@ class ViewStore(ABC):
     @abstractmethod
     def session_count(self) -> int:
         """Sessions in the read model."""
+
+    @abstractmethod
+    def wait_summary(self, now_ns: int) -> WaitSummary:
+        """What ``waiting`` lists, counted: the open-wait gauges read this, so they agree with it."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the read connection."""
@@ -310,6 +338,11 @@ class MemoryViews(ViewStore):
     def session_count(self) -> int:
         with self._lock:
             return len(self._sessions)
+
+    def wait_summary(self, now_ns: int) -> WaitSummary:
+        with self._lock:
+            rows = [(w["state"], w.get("since_ns"), w.get("deadline_ns")) for w in self._waits.values()]
+        return WaitSummary.of(rows, now_ns)
 
     def session_ids(self) -> list[str]:
         """Every session held, least recently active first (replay's reports list them all)."""

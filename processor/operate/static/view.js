@@ -229,6 +229,11 @@
     const kv = (pairs) => el("dl", { class: "facts" }, ...pairs.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
     const r = data.receivers;
     const sum = (o) => Object.values(o || {}).reduce((a, b) => a + b, 0);
+    // "(awaiting_approval 2, waiting_on_external 1)": the states that have any.
+    const waitStates = (o) => {
+      const named = Object.entries(o || {}).filter(([, v]) => v > 0).map(([k, v]) => `${k} ${v}`);
+      return named.length ? ` (${named.join(", ")})` : "";
+    };
     main.append(el("h2", {}, "Receivers"), kv([
       ["Endpoints", (setup.receivers || []).join(", ") || "—"],
       ["Spans received", Object.entries(r.received).map(([k, v]) => `${k}: ${v}`).join(", ") || "0"],
@@ -238,6 +243,8 @@
       ["Batches evaluated", `${data.evaluation.batches}`],
       ["Mean evaluation time", data.evaluation.mean_seconds === null ? "—" : `${(data.evaluation.mean_seconds * 1000).toFixed(2)} ms`],
       ["Open sessions", `${data.evaluation.open_sessions}`],
+      ["Open waits", `${sum(data.evaluation.open_waits)}` + waitStates(data.evaluation.open_waits)],
+      ["Past their deadline", `${sum(data.evaluation.expired_waits)}` + waitStates(data.evaluation.expired_waits)],
       ["Oldest open wait", `${Math.round(data.evaluation.oldest_open_wait_age_seconds)} s`]]));
     main.append(el("h2", {}, "State store"), kv([
       ["Backend", setup.state || "—"], ["Sessions in this view", `${data.sessions_in_view}`],

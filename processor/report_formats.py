@@ -146,7 +146,9 @@ def write_sarif(report: Report, rules: RuleSet, out: TextIO) -> None:
             if rule is not None:
                 descriptor["shortDescription"] = {"text": rule.name}
                 descriptor["fullDescription"] = {"text": rule.description.strip() or rule.name}
-                descriptor["help"] = {"text": rule.description.strip() or rule.name}
+                fixes = (rule.fix_for(True), rule.fix_for(False))
+                descriptor["help"] = {"text": (f"Spans: {fixes[0]} Action logs: {fixes[1]}" if fixes[0] != fixes[1]
+                                               else fixes[0]) or rule.name}
             descriptors.append(descriptor)
         result: dict[str, Any] = {
             "ruleId": v.rule,

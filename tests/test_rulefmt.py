@@ -355,10 +355,10 @@ def test_skill_fixture_verdicts(strict: bool) -> None:
 def test_skill_fixture_messages_say_what_recovery_would_do() -> None:
     verdicts = {(v.line, v.rule): v for v in _run(load_rules([]), BAD_LOG, strict=True)}
     assert verdicts[(4, "DS001")].message.startswith(
-        "user_prompt b01 succeeded with no result or result_ref: recovery would ask the human the same question again"
+        "user_prompt b01 succeeded with no recorded result: recovery would ask the human the same question again"
     )
     assert "would perform it again" in verdicts[(6, "DS002")].message
-    assert verdicts[(12, "DS009")].message.startswith("action_id b02 is used again (first as llm_call, now as clock)")
+    assert verdicts[(12, "DS009")].message.startswith("action id b02 is used again (first as llm_call, now as clock)")
     assert verdicts[(13, "DS000")].message.startswith("missing required field action_id: recovery cannot replay")
     assert verdicts[(6, "DS002")].severity == "critical" and verdicts[(9, "DS005")].severity == "critical"
 

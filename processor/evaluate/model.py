@@ -119,6 +119,10 @@ class Rule:
     enabled: bool = True
     strict_only: bool = False
     tags: tuple[str, ...] = ()
+    # What to do about a finding, in the input's language: for span input (durable.* attributes,
+    # the annotate helper, a framework's feature) and for action logs (record fields).
+    fix_spans: str = ""
+    fix_logs: str = ""
     # Filter (stateful types) or the whole check (``condition`` type).
     condition: CompiledExpression | None = None
     # Keys within the session that partition the rule's state (the session is always implied).
@@ -146,6 +150,11 @@ class Rule:
     @property
     def stateful(self) -> bool:
         return self.type in STATEFUL_TYPES
+
+    def fix_for(self, spans: bool) -> str:
+        """The fix for a finding on span input (``spans``) or on an action log; the description
+        when the rule gives none."""
+        return (self.fix_spans if spans else self.fix_logs) or self.description
 
 
 @dataclass(slots=True)

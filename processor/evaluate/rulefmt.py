@@ -74,8 +74,11 @@ RESERVED_ID_PATTERN: Final = re.compile(r"^DS[0-9]+$")
 
 TOP_LEVEL_KEYS: Final = ("version", "lists", "record_fields", "rules", "overrides")
 COMMON_RULE_KEYS: Final = (
-    "id", "name", "description", "severity", "enabled", "strict_only", "tags", "type", "message",
+    "id", "name", "description", "severity", "enabled", "strict_only", "tags", "type", "message", "fix",
 )  # fmt: skip
+# What a rule's fix is written for: span input (durable.* attributes, the annotate helper, a
+# framework's feature) and action logs (record fields). A plain string serves both.
+FIX_KEYS: Final = ("spans", "logs")
 TYPE_KEYS: Final[dict[RuleType, tuple[str, ...]]] = {
     "condition": ("condition",),
     "malformed": (),
@@ -828,6 +831,15 @@ class _RuleBuilder:
                 value("name") or node, f"name {name!r} must be lower-case words joined by - (like unrecorded-result)"
             )
         description = ctx.string(n, "description", allow_empty=True) if (n := value("description")) is not None else ""
+        fix_spans = fix_logs = ""
+        if (n := value("fix")) is not None:
+            if isinstance(n, MappingNode):
+                fixes = ctx.mapping(n, "fix", FIX_KEYS)
+                if fixes is not None:
+                    fix_spans = (ctx.string(fixes["spans"][1], "fix.spans") or "") if "spans" in fixes else ""
+                    fix_logs = (ctx.string(fixes["logs"][1], "fix.logs") or "") if "logs" in fixes else ""
+            else:
+                fix_spans = fix_logs = ctx.string(n, "fix") or ""
         severity = ctx.choice(n, "severity", SEVERITIES) if (n := value("severity")) is not None else None
         enabled = ctx.boolean(n, "enabled") if (n := value("enabled")) is not None else True
         strict_only = ctx.boolean(n, "strict_only") if (n := value("strict_only")) is not None else False
@@ -911,6 +923,8 @@ class _RuleBuilder:
             id=rule_id,
             name=name,
             description=(description or "").strip(),
+            fix_spans=" ".join(fix_spans.split()),
+            fix_logs=" ".join(fix_logs.split()),
             severity=cast(Severity, severity),
             type=rule_type,
             message=message,

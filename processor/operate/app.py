@@ -81,7 +81,9 @@ def _text_arg(request: Request, name: str) -> str:
 
 
 def rules_json(rules: RuleSet) -> dict[str, dict[str, str]]:
-    return {r.id: {"name": r.name, "severity": r.severity, "fix": r.description.strip()} for r in rules.rules}
+    """Per rule: its name, severity and what to do about a finding, for span input and for action logs."""
+    return {r.id: {"name": r.name, "severity": r.severity, "fix_spans": r.fix_for(True), "fix_logs": r.fix_for(False)}
+            for r in rules.rules}
 
 
 def build_app(cfg: UiConfig, ctx: ViewContext) -> FastAPI:
@@ -157,8 +159,9 @@ def build_app(cfg: UiConfig, ctx: ViewContext) -> FastAPI:
         offset = _int_arg(request, "offset", 0, 0, MAX_OFFSET)
         now_ns = time.time_ns()
         items, total = ctx.views.waiting(now_ns, limit, offset)
+        # What an operator can do about a wait is what the wait rules' fixes say.
         return _json({"now_ns": now_ns, "total": total, "limit": limit, "offset": offset, "items": items,
-                      "setup": ctx.setup})
+                      "setup": ctx.setup, "rules": {k: v for k, v in rules.items() if k in ("DS106", "DS107")}})
 
     @app.get("/api/v1/violations")
     def api_violations(request: Request) -> Response:

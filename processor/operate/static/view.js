@@ -69,9 +69,10 @@
       el("td", {}, when(w.deadline_ns)),
       el("td", { class: w.expired ? "overdue" : "" }, w.expired ? `EXPIRED, ${span(w.time_left_s)}` : span(w.time_left_s)),
       el("td", {}, waitFinding(w, base)),
+      el("td", { class: "todo" }, waitTodo(w, data.rules || {})),
       el("td", {}, w.service || "—")));
     main.append(table("Sessions waiting",
-      ["Session", "Waiting in", "For", "Since", "Deadline", "Time left", "Finding", "Service"],
+      ["Session", "Waiting in", "For", "Since", "Deadline", "Time left", "Finding", "What to do", "Service"],
       rows, "Nothing is waiting."));
     if (pager) main.append(pager(data.items.length, data.total));
   }
@@ -89,6 +90,16 @@
     if (!rule) return "—";
     const query = new URLSearchParams({ rule, session: w.session_id });
     return el("a", { href: `${base}violations?${query}` }, rule);
+  }
+
+  // What an operator can do about a wait, in the words of the wait rules' fixes: DS107 (resolve,
+  // escalate or cancel) once the deadline passed, DS106 (give it one) when it has none.
+  function waitTodo(w, rules) {
+    const spans = Boolean(w.trace_id);
+    const fixOf = (id) => ((rules[id] || {})[spans ? "fix_spans" : "fix_logs"]) || "";
+    if (w.expired) return fixOf("DS107");
+    if (w.deadline_ns === null || w.deadline_ns === undefined) return fixOf("DS106");
+    return `Nothing yet: it has ${span(w.time_left_s).replace(" left", "")} before its deadline. If it is stuck: ${fixOf("DS107")}`;
   }
 
   function violationRows(items, base, withSession) {
@@ -193,9 +204,11 @@
 
   function violationRow(v, rules) {
     const rule = (rules || {})[v.rule] || {};
+    // The fix in the input's language: span attributes and the annotate helper, or log fields.
+    const fix = v.span_id ? rule.fix_spans : rule.fix_logs;
     const cell = el("td", { colspan: "7", class: "violation" },
       badge(v.severity), " ", el("strong", {}, `${v.rule} ${v.name || ""}`), ": ", v.message,
-      rule.fix ? el("div", { class: "fix" }, el("span", { class: "fix-label" }, "How to fix: "), rule.fix) : null);
+      fix ? el("div", { class: "fix" }, el("span", { class: "fix-label" }, "How to fix: "), fix) : null);
     return el("tr", { class: "violation-row", "data-rule": v.rule, "data-for": v.action_id || "" }, cell);
   }
 

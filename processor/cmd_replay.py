@@ -116,17 +116,18 @@ def make_converter(config_path: str | None, config: Config | None = None) -> Spa
     return SpanConverter(options)
 
 
-def run(args: argparse.Namespace) -> int:
-    from processor.evaluate.engine import Engine, EngineOptions
-    from processor.evaluate.rulefmt import load_rules
-    from processor.pipeline import Pipeline
-    from processor.report import Report
+def replay_rules(config: Config | None, *, strict: bool = False, rules: list[str] | None = None,
+                 include_shipped: bool = True, packs: list[str] | None = None,
+                 allowed_lateness: str | None = None) -> tuple[RuleSet, EngineOptions]:
+    """The rules and engine options of a replay: the configuration's, with the command line's over them.
 
-    config = load_config_or_none(args.config)
-    strict = args.strict
+    The pytest plugin checks each test's spans with these too (durable_check.pytest_plugin).
+    """
+    from processor.evaluate.engine import EngineOptions
+    from processor.evaluate.rulefmt import load_rules
+
     rule_paths: list[str] = []
-    include_shipped = not args.no_shipped_rules
-    packs: list[str] = []
+    chosen: list[str] = []
     options = EngineOptions(mode="replay")
     remembered = options.max_remembered_entries
     limits = None
@@ -137,18 +138,30 @@ def run(args: argparse.Namespace) -> int:
         strict = strict or ev.strict
         rule_paths.extend(ev.rules)
         include_shipped = include_shipped and ev.include_shipped_rules
-        packs = list(ev.packs)
-    lateness = allowed_lateness_s(config, args.allowed_lateness)
-    rule_paths.extend(args.rules)
-    if args.pack:
-        packs = list(dict.fromkeys(args.pack))  # the command line's choice replaces the configuration's
-    ruleset = load_rules(rule_paths, include_shipped=include_shipped, packs=packs, limits=limits)
+        chosen = list(ev.packs)
+    lateness = allowed_lateness_s(config, allowed_lateness)
+    rule_paths.extend(rules or [])
+    if packs:
+        chosen = list(dict.fromkeys(packs))  # the command line's choice replaces the configuration's
+    ruleset = load_rules(rule_paths, include_shipped=include_shipped, packs=chosen, limits=limits)
     options = EngineOptions(
         strict=strict,
         allowed_lateness_s=lateness,
         mode="replay",
         max_remembered_entries=remembered,
     )
+    return ruleset, options
+
+
+def run(args: argparse.Namespace) -> int:
+    from processor.evaluate.engine import Engine
+    from processor.pipeline import Pipeline
+    from processor.report import Report
+
+    config = load_config_or_none(args.config)
+    ruleset, options = replay_rules(config, strict=args.strict, rules=args.rules,
+                                    include_shipped=not args.no_shipped_rules, packs=args.pack,
+                                    allowed_lateness=args.allowed_lateness)
     pipeline = Pipeline(Engine(ruleset, options))
     pipeline.exemptions = exemptions = load_exemptions(config, args.waivers, args.baseline)
     if args.format in ("html", "junit"):

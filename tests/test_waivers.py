@@ -12,10 +12,14 @@ import jsonschema
 import orjson
 import pytest
 from junitparser import Failure, JUnitXml
+from playwright.sync_api import Browser
 
 from processor import cli
 from tests.agent_runs import record_shop_run
+from tests.browser_support import browser
 from tests.serve_support import read_jsonl, running, serve_config, wait_for
+
+__all__ = ["browser"]
 
 DATA = Path(__file__).parent / "testdata"
 SARIF_SCHEMA = DATA / "sarif-schema-2.1.0.json"
@@ -197,3 +201,37 @@ def test_serve_honours_the_configured_waivers_and_counts_what_they_waive(tmp_pat
     assert found[("shop-1", "DS002")] == {"reason": "keyed at the provider", "by": f"{waivers}:2:5"}
     assert found[("other-1", "DS002")] is None
     assert waived == 1
+
+
+def test_the_operator_view_marks_waived_findings(tmp_path: Path, browser: Browser) -> None:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from playwright.sync_api import expect
+
+    from tests.serve_support import emit_durable_spans
+
+    waivers = _waivers(tmp_path, "  - rule: DS002\n    session: shop-*\n    reason: keyed at the provider\n")
+    config = serve_config(tmp_path, {"evaluate": {"waivers": str(waivers)}, "ui": {"endpoint": "127.0.0.1:0"}})
+    with running(config) as server:
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(
+            OTLPSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=10)))
+        emit_durable_spans(provider, "shop-1")
+        emit_durable_spans(provider, "other-1")
+        provider.shutdown()
+        assert wait_for(lambda: len(read_jsonl(tmp_path / "violations.jsonl")) >= 6, 20)
+        assert server.ui is not None
+        page = browser.new_page()
+        try:
+            page.goto(f"http://127.0.0.1:{server.ui.port}/violations?rule=DS002")
+            rows = page.locator("table").nth(1).locator("tbody tr")
+            expect(rows).to_have_count(2)
+            expect(page.locator("p.waived-count")).to_have_text(
+                "1 of these are waived: accepted by the operator, not errors.")
+            waived_row = rows.filter(has_text="shop-1")
+            expect(waived_row.locator(".badge.waived")).to_have_attribute(
+                "title", f"keyed at the provider ({waivers}:2:5)")
+            expect(rows.filter(has_text="other-1").locator(".badge.waived")).to_have_count(0)
+        finally:
+            page.close()

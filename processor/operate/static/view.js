@@ -91,9 +91,15 @@
     return el("a", { href: `${base}violations?${query}` }, rule);
   }
 
+  // A finding an operator's waiver or baseline accepts: shown, marked, with the reason on hover.
+  function waivedMark(v) {
+    const w = v.details && v.details.waived;
+    return w ? [" ", el("span", { class: "badge waived", title: `${w.reason || ""} (${w.by || ""})` }, "waived")] : [];
+  }
+
   function violationRows(items, base, withSession) {
     return items.map((v) => el("tr", {},
-      el("td", {}, badge(v.severity)),
+      el("td", {}, badge(v.severity), ...waivedMark(v)),
       el("td", {}, el("span", { class: "mono" }, v.rule), " ", v.name || ""),
       withSession ? el("td", {}, sessionLink(v.session_id, base)) : null,
       el("td", { class: "mono" }, v.action_id || "—"),
@@ -126,7 +132,10 @@
       el("td", {}, badge(c.severity)), el("td", { class: "num" }, c.count)));
     main.append(el("section", { "aria-labelledby": "counts-h" }, el("h2", { id: "counts-h" }, "Counts by rule"),
       table("Violations by rule and severity", ["Rule", "Name", "Severity", "Count"], counts, "No violations yet.")));
+    const waived = data.items.filter((v) => v.details && v.details.waived).length;
     main.append(el("section", { "aria-labelledby": "recent-h" }, el("h2", { id: "recent-h" }, "Recent"),
+      waived ? el("p", { class: "waived-count" }, `${waived} of these are waived: accepted by the operator, not errors.`)
+        : null,
       table("Recent violations, newest first", ["Severity", "Rule", "Session", "Action", "Message", "Time"],
         violationRows(data.items, base, true), "No violation matches.")));
     if (pager) main.append(pager(data.items.length, null));
@@ -194,7 +203,7 @@
   function violationRow(v, rules) {
     const rule = (rules || {})[v.rule] || {};
     const cell = el("td", { colspan: "7", class: "violation" },
-      badge(v.severity), " ", el("strong", {}, `${v.rule} ${v.name || ""}`), ": ", v.message,
+      badge(v.severity), ...waivedMark(v), " ", el("strong", {}, `${v.rule} ${v.name || ""}`), ": ", v.message,
       rule.fix ? el("div", { class: "fix" }, el("span", { class: "fix-label" }, "How to fix: "), rule.fix) : null);
     return el("tr", { class: "violation-row", "data-rule": v.rule, "data-for": v.action_id || "" }, cell);
   }

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 THRESHOLDS: Final = ("critical", "error", "warning", "info", "never")
 _RANK: Final = {"critical": 0, "error": 1, "warning": 2, "info": 3}
 _FINDINGS: Final = pytest.StashKey["Findings"]()
-_PLUGIN_NAME: Final = "durable-check-session"
+_PLUGIN_NAME: Final = "durable-check-run"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,6 +49,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--durable-check-waivers", default=None, metavar="FILE", help="the operator's waiver file")
     group.addoption("--durable-check-config", default=None, metavar="FILE",
                     help="configuration whose convert: and evaluate: sections apply, as for replay")
+    group.addoption("--durable-check-dump", default=None, metavar="FILE",
+                    help="also write the spans of every test to FILE (OTLP protobuf stream) for `durable-check replay`")
     parser.addini("durable_check", "check the spans of each test with Durable Check's rules", type="bool",
                   default=False)
     parser.addini("durable_check_fail_on", "fail a test on findings at or above this severity", default="error")
@@ -57,6 +59,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("durable_check_rules", "extra rule files", type="paths", default=[])
     parser.addini("durable_check_waivers", "the operator's waiver file", default="")
     parser.addini("durable_check_config", "configuration whose convert: and evaluate: sections apply", default="")
+    parser.addini("durable_check_dump", "also write the spans of every test to this file (OTLP protobuf stream)",
+                  default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -204,6 +208,12 @@ class DurableCheckSession:
         self.provider = _provider_to_watch()
         self.provider.add_span_processor(_span_processor(self.collector))
         self.results: list[tuple[str, Findings]] = []
+        dump = str(_setting(config, "--durable-check-dump", "durable_check_dump") or "")
+        try:
+            # Written as the tests run: each test's spans one length-prefixed ExportTraceServiceRequest.
+            self.dump = open(dump, "wb") if dump else None  # noqa: SIM115 (closed at the session's end)
+        except OSError as exc:
+            raise pytest.UsageError(f"durable_check_dump: cannot write {dump}: {exc.strerror or exc}") from None
 
     def rulesets(self, packs: tuple[str, ...]) -> tuple[RuleSet, EngineOptions]:
         if packs not in self._rulesets:
@@ -229,7 +239,8 @@ class DurableCheckSession:
                                             f"{', '.join(THRESHOLDS)}")
         return packs, fail_on
 
-    def evaluate(self, spans: Sequence[ReadableSpan], packs: tuple[str, ...], origin: str) -> list[Violation]:
+    def evaluate(self, spans: Sequence[ReadableSpan], packs: tuple[str, ...], origin: str, *,
+                 write_dump: bool = False) -> list[Violation]:
         """The spans checked as replay checks a dump of them."""
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
@@ -242,7 +253,12 @@ class DurableCheckSession:
         ruleset, options = self.rulesets(packs)
         pipeline = Pipeline(Engine(ruleset, options))
         pipeline.exemptions = self.exemptions
-        result = SpanConverter(self.convert_options).convert(encode_spans(list(spans)), origin)
+        request = encode_spans(list(spans))
+        if self.dump is not None and write_dump:
+            body = request.SerializeToString()
+            self.dump.write(len(body).to_bytes(4, "big") + body)
+            self.dump.flush()
+        result = SpanConverter(self.convert_options).convert(request, origin)
         found = pipeline.process([*result.actions, *result.rejected])
         found.extend(pipeline.finish())
         return found
@@ -266,7 +282,7 @@ class DurableCheckSession:
         if findings is None:
             return
         packs, _ = self.settings(item)
-        findings.violations = self.evaluate(self.collector.stop(), packs, item.nodeid)
+        findings.violations = self.evaluate(self.collector.stop(), packs, item.nodeid, write_dump=True)
         self.results.append((item.nodeid, findings))
         for v in findings.violations:
             name = f"durable_check.{'waived.' if v.details.get('waived') else ''}{v.rule}"
@@ -281,6 +297,10 @@ class DurableCheckSession:
 
     def pytest_runtest_teardown(self, item: pytest.Item) -> None:
         self.collector.stop()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self.dump is not None:
+            self.dump.close()
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         tr = terminalreporter

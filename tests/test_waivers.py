@@ -235,3 +235,33 @@ def test_the_operator_view_marks_waived_findings(tmp_path: Path, browser: Browse
             expect(rows.filter(has_text="other-1").locator(".badge.waived")).to_have_count(0)
         finally:
             page.close()
+
+
+@pytest.mark.servers
+def test_a_waived_finding_reaches_alertmanager_labelled_waived(tmp_path: Path) -> None:
+    import httpx
+
+    from exporters import AlertmanagerConfig, AlertmanagerExporter
+    from processor.telemetry import Telemetry
+    from processor.waivers import Exemptions, load_waivers
+    from tests.servers import alertmanager_server, make_violation, wait_until
+
+    waivers = _waivers(tmp_path, "  - rule: DS002\n    session: legacy-*\n    reason: keyed at the provider\n")
+    waived, live = make_violation(1, session="legacy-1"), make_violation(2, session="shop-1")
+    assert Exemptions(load_waivers(str(waivers))).apply([waived, live]) == 1
+    with alertmanager_server(tmp_path / "alertmanager") as am:
+        exporter = AlertmanagerExporter(AlertmanagerConfig(url=am.url), Telemetry())
+        try:
+            exporter.export([waived, live])
+
+            def alerts() -> dict[str, dict[str, Any]] | None:
+                got = httpx.get(f"{am.url}/api/v2/alerts", timeout=5).json()
+                found = {a["labels"]["session"]: a for a in got if a["labels"].get("alertname")}
+                return found if len(found) == 2 else None
+
+            found = wait_until(alerts, timeout_s=15, what="both alerts in Alertmanager")
+        finally:
+            exporter.shutdown(5.0)
+    assert found["legacy-1"]["labels"]["waived"] == "true"
+    assert found["legacy-1"]["annotations"]["waived"] == f"keyed at the provider ({waivers}:2:5)"
+    assert "waived" not in found["shop-1"]["labels"]

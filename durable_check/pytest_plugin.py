@@ -49,6 +49,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--durable-check-waivers", default=None, metavar="FILE", help="the operator's waiver file")
     group.addoption("--durable-check-config", default=None, metavar="FILE",
                     help="configuration whose convert: and evaluate: sections apply, as for replay")
+    group.addoption("--durable-check-baseline", default=None, metavar="FILE",
+                    help="fail only on findings not in this baseline (written with --durable-check-write-baseline)")
+    group.addoption("--durable-check-write-baseline", default=None, metavar="FILE",
+                    help="write the findings of this run as a baseline to FILE")
     group.addoption("--durable-check-dump", default=None, metavar="FILE",
                     help="also write the spans of every test to FILE (OTLP protobuf stream) for `durable-check replay`")
     parser.addini("durable_check", "check the spans of each test with Durable Check's rules", type="bool",
@@ -59,6 +63,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("durable_check_rules", "extra rule files", type="paths", default=[])
     parser.addini("durable_check_waivers", "the operator's waiver file", default="")
     parser.addini("durable_check_config", "configuration whose convert: and evaluate: sections apply", default="")
+    parser.addini("durable_check_baseline", "fail only on findings not in this baseline", default="")
     parser.addini("durable_check_dump", "also write the spans of every test to this file (OTLP protobuf stream)",
                   default="")
 
@@ -202,7 +207,10 @@ class DurableCheckSession:
         self._replay_rules = replay_rules
         self.rulesets(tuple(self.packs))  # a rule file that does not load stops the run here, said once
         waivers = str(_setting(config, "--durable-check-waivers", "durable_check_waivers") or "") or None
-        self.exemptions: Exemptions | None = load_exemptions(self.check_config, waivers, None)
+        # One baseline for the whole run: an entry accepts as many findings, across tests, as it counted.
+        baseline = str(_setting(config, "--durable-check-baseline", "durable_check_baseline") or "") or None
+        self.exemptions: Exemptions | None = load_exemptions(self.check_config, waivers, baseline)
+        self.write_baseline = str(config.getoption("--durable-check-write-baseline") or "")
         self.convert_options = self.check_config.convert if self.check_config is not None else ConvertOptions()
         self.collector = _Collector()
         self.provider = _provider_to_watch()
@@ -301,6 +309,12 @@ class DurableCheckSession:
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if self.dump is not None:
             self.dump.close()
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.write_baseline:
+            from processor.waivers import write_baseline
+
+            write_baseline(self.write_baseline, [v for _, findings in self.results for v in findings.violations])
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         tr = terminalreporter

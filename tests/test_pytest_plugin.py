@@ -189,6 +189,36 @@ def test_fails_by_default():
     assert "test_only_the_session_checks_pack: [warning] DS002" not in result.stdout.str()
 
 
+def test_a_baseline_written_by_one_run_accepts_its_findings_in_the_next(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pytester.makeini("[pytest]\ndurable_check = true\n")
+    test = """
+from durable_check import annotate
+
+
+def test_charges():
+    with annotate.action("charge card", "payment", action_id="pay", session_id="s-1"):
+        pass
+"""
+    pytester.makepyfile(test_charge=test)
+    args = ("-p", "durable_check.pytest_plugin", "-p", "no:cacheprovider")
+    first = pytester.runpytest_subprocess(*args, "--durable-check-write-baseline", "baseline.json", timeout=120)
+    first.assert_outcomes(failed=1)
+    assert (pytester.path / "baseline.json").exists()
+    again = pytester.runpytest_subprocess(*args, "--durable-check-baseline", "baseline.json", timeout=120)
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines(["*test_charges: [[]waived] DS002 * (waived: in the baseline; baseline.json)"])
+    # A second keyless charge is new: the baseline counted one.
+    pytester.makepyfile(test_charge=test + """
+    with annotate.action("charge card", "payment", action_id="pay-2", session_id="s-1"):
+        pass
+""")
+    new = pytester.runpytest_subprocess(*args, "--durable-check-baseline", "baseline.json", timeout=120)
+    new.assert_outcomes(failed=1)
+    new.stdout.fnmatch_lines(["  DS002 unkeyed-side-effect (critical) at session s-1 action pay-2: *"])
+
+
 def test_a_bad_setting_is_one_clear_error(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     pytester.makeini("[pytest]\ndurable_check = true\ndurable_check_fail_on = loud\n")

@@ -17,7 +17,7 @@ import fnmatch
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -194,23 +194,30 @@ class Exemptions:
     """
 
     def __init__(self, waivers: list[Waiver] | None = None, baseline: Counter[str] | None = None,
-                 baseline_name: str = "", today: datetime.date | None = None) -> None:
-        self._today = today or datetime.datetime.now(datetime.UTC).date()
-        self._live: list[Waiver] = []
+                 baseline_name: str = "", today: Callable[[], datetime.date] | None = None) -> None:
+        # serve runs for days: a waiver that expires while it runs stops waiving that day.
+        self._today = today or (lambda: datetime.datetime.now(datetime.UTC).date())
+        self._live: list[Waiver] = list(waivers or [])
         self.expired: list[Waiver] = []
-        for waiver in waivers or []:
-            expiry = waiver.expiry
-            if expiry is not None and expiry < self._today:
-                self.expired.append(waiver)
-                log.warning("waiver at %s for %s expired on %s: its findings are errors again",
-                            waiver.where, waiver.entry.rule, waiver.entry.expires)
-            else:
-                self._live.append(waiver)
+        self._checked: datetime.date | None = None
+        self._expire()
         self._baseline = Counter(baseline) if baseline is not None else None
         self._baseline_name = baseline_name
 
+    def _expire(self) -> None:
+        today = self._today()
+        if today == self._checked:
+            return
+        self._checked = today
+        for waiver in [w for w in self._live if w.expiry is not None and w.expiry < today]:
+            self._live.remove(waiver)
+            self.expired.append(waiver)
+            log.warning("waiver at %s for %s expired on %s: its findings are errors again",
+                        waiver.where, waiver.entry.rule, waiver.entry.expires)
+
     def apply(self, violations: Iterable[Violation]) -> int:
         """Mark the waived violations; returns how many were."""
+        self._expire()
         waived = 0
         for v in violations:
             mark = self._mark(v)

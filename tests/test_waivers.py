@@ -265,3 +265,18 @@ def test_a_waived_finding_reaches_alertmanager_labelled_waived(tmp_path: Path) -
     assert found["legacy-1"]["labels"]["waived"] == "true"
     assert found["legacy-1"]["annotations"]["waived"] == f"keyed at the provider ({waivers}:2:5)"
     assert "waived" not in found["shop-1"]["labels"]
+
+
+def test_a_waiver_that_expires_while_serve_runs_stops_waiving_that_day(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    from processor.waivers import Exemptions, load_waivers
+    from tests.servers import make_violation
+
+    waivers = _waivers(tmp_path, WAIVE_DS002.replace("checkout-*", "s-*") + "    expires: 2027-03-31\n")
+    days = iter([datetime.date(2027, 3, 31), datetime.date(2027, 3, 31), datetime.date(2027, 4, 1)])
+    exemptions = Exemptions(load_waivers(str(waivers)), today=lambda: next(days))
+    assert exemptions.apply([make_violation(1)]) == 1  # the last day it holds
+    with caplog.at_level("WARNING", logger="durable_check.waivers"):
+        assert exemptions.apply([make_violation(2)]) == 0
+    assert f"waiver at {waivers}:2:5 for DS002 expired on 2027-03-31" in caplog.text
+    assert [w.where for w in exemptions.expired] == [f"{waivers}:2:5"]

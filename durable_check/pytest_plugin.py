@@ -73,7 +73,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "durable_check(packs=None, fail_on=None): Durable Check's packs and failing severity for a test")
     enabled = config.getoption("--durable-check") or config.getini("durable_check")
     if enabled and not config.pluginmanager.has_plugin(_PLUGIN_NAME):
-        config.pluginmanager.register(DurableCheckSession(config), _PLUGIN_NAME)
+        from processor.errors import DurableCheckError
+
+        try:
+            plugin = DurableCheckSession(config)
+        except DurableCheckError as exc:
+            # A mistake in a rule, waiver, baseline or configuration file: said with its place, no traceback.
+            raise pytest.UsageError(f"durable-check: {exc}") from None
+        config.pluginmanager.register(plugin, _PLUGIN_NAME)
 
 
 def _setting(config: pytest.Config, option: str, ini: str) -> Any:
@@ -191,7 +198,7 @@ class DurableCheckSession:
     """The plugin once enabled: the span collector, the rules, and each test's findings."""
 
     def __init__(self, config: pytest.Config) -> None:
-        from processor.cmd_replay import load_config_or_none, load_exemptions, replay_rules
+        from processor.cmd_replay import load_config_or_none, load_exemptions
         from processor.convert import ConvertOptions
 
         self.config = config
@@ -204,7 +211,6 @@ class DurableCheckSession:
         self.packs = [str(p) for p in _setting(config, "--durable-check-pack", "durable_check_packs")]
         self.rules = [str(p) for p in config.getini("durable_check_rules")]
         self._rulesets: dict[tuple[str, ...], tuple[RuleSet, EngineOptions]] = {}
-        self._replay_rules = replay_rules
         self.rulesets(tuple(self.packs))  # a rule file that does not load stops the run here, said once
         waivers = str(_setting(config, "--durable-check-waivers", "durable_check_waivers") or "") or None
         # One baseline for the whole run: an entry accepts as many findings, across tests, as it counted.
@@ -224,8 +230,10 @@ class DurableCheckSession:
             raise pytest.UsageError(f"durable_check_dump: cannot write {dump}: {exc.strerror or exc}") from None
 
     def rulesets(self, packs: tuple[str, ...]) -> tuple[RuleSet, EngineOptions]:
+        from processor.cmd_replay import replay_rules
+
         if packs not in self._rulesets:
-            self._rulesets[packs] = self._replay_rules(self.check_config, rules=self.rules, packs=list(packs))
+            self._rulesets[packs] = replay_rules(self.check_config, rules=self.rules, packs=list(packs))
         return self._rulesets[packs]
 
     def settings(self, item: pytest.Item) -> tuple[tuple[str, ...], str]:

@@ -228,3 +228,12 @@ def test_a_bad_setting_is_one_clear_error(pytester: pytest.Pytester, monkeypatch
     assert result.ret != 0
     assert "durable_check_fail_on: 'loud' is not one of critical, error, warning, info, never" in result.stderr.str()
     assert "Traceback" not in result.stderr.str()
+
+    # A mistake in the waiver file is named at its place, before any test runs.
+    pytester.makeini("[pytest]\ndurable_check = true\ndurable_check_waivers = waivers.yaml\n")
+    (pytester.path / "waivers.yaml").write_text("waivers:\n  - rule: DS002\n    reasn: x\n", encoding="utf-8")
+    result = pytester.runpytest_subprocess("-p", "durable_check.pytest_plugin", "-p", "no:cacheprovider",
+                                           timeout=120)
+    assert result.ret != 0
+    assert "waivers.yaml:3:5: waivers[0].reasn: unknown key (did you mean 'reason'?)" in result.stderr.str()
+    assert "Traceback" not in result.stderr.str()

@@ -2,7 +2,8 @@
 
 An alert is identified by its labels: ``alertname="DurableCheckViolation"``, ``rule``,
 ``rule_name``, ``severity``, ``service``, ``session`` and ``violation_id`` (a session id
-is fine as an alert label: alerts are not time series). Annotations describe it:
+is fine as an alert label: alerts are not time series), and ``waived="true"`` for a finding
+the operator's waivers accept (route it to no receiver to keep it from paging). Annotations describe it:
 ``summary``, ``description`` (the violation's message), ``trace_id``, ``action_id`` and,
 when ``trace_url_template`` is set, ``trace_url`` (also sent as ``generatorURL``).
 
@@ -40,7 +41,7 @@ from exporters.config import AlertmanagerConfig
 from processor._version import __version__
 from processor.records import Action
 from processor.telemetry import Telemetry
-from processor.violations import Violation
+from processor.violations import WAIVED, Violation
 
 log = logging.getLogger("durable_check.exporters")
 
@@ -73,6 +74,9 @@ def alert_labels(violation: Violation) -> dict[str, str]:
     }
     if violation.service:
         labels["service"] = violation.service
+    if WAIVED in violation.details:
+        # Accepted by the operator's waiver file: routed or silenced on this label, never lost.
+        labels["waived"] = "true"
     return labels
 
 
@@ -88,6 +92,9 @@ def alert_annotations(violation: Violation, template: str) -> dict[str, str]:
     link = trace_url(template, violation)
     if link:
         annotations["trace_url"] = link
+    mark = violation.details.get(WAIVED)
+    if isinstance(mark, dict):
+        annotations["waived"] = f"{mark.get('reason', '')} ({mark.get('by', '')})"
     return annotations
 
 

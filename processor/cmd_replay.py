@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from processor.evaluate.model import RuleSet
     from processor.pipeline import Pipeline
     from processor.report import Report
+    from processor.waivers import Exemptions
 
 log = logging.getLogger("durable_check.replay")
 
@@ -72,6 +73,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--allowed-lateness", default=None, metavar="DURATION", help="how far out of order spans may arrive (e.g. 5s)"
     )
+    parser.add_argument("--waivers", metavar="FILE",
+                        help="waiver file: the findings it names are reported as waived and do not fail the run")
+    parser.add_argument("--baseline", metavar="FILE",
+                        help="fail only on findings not in this baseline (written with --write-baseline)")
+    parser.add_argument("--write-baseline", metavar="FILE", help="write today's findings as a baseline to FILE")
     parser.set_defaults(func=run)
 
 
@@ -110,17 +116,18 @@ def make_converter(config_path: str | None, config: Config | None = None) -> Spa
     return SpanConverter(options)
 
 
-def run(args: argparse.Namespace) -> int:
-    from processor.evaluate.engine import Engine, EngineOptions
-    from processor.evaluate.rulefmt import load_rules
-    from processor.pipeline import Pipeline
-    from processor.report import Report
+def replay_rules(config: Config | None, *, strict: bool = False, rules: list[str] | None = None,
+                 include_shipped: bool = True, packs: list[str] | None = None,
+                 allowed_lateness: str | None = None) -> tuple[RuleSet, EngineOptions]:
+    """The rules and engine options of a replay: the configuration's, with the command line's over them.
 
-    config = load_config_or_none(args.config)
-    strict = args.strict
+    The pytest plugin checks each test's spans with these too (durable_check.pytest_plugin).
+    """
+    from processor.evaluate.engine import EngineOptions
+    from processor.evaluate.rulefmt import load_rules
+
     rule_paths: list[str] = []
-    include_shipped = not args.no_shipped_rules
-    packs: list[str] = []
+    chosen: list[str] = []
     options = EngineOptions(mode="replay")
     remembered = options.max_remembered_entries
     limits = None
@@ -131,19 +138,32 @@ def run(args: argparse.Namespace) -> int:
         strict = strict or ev.strict
         rule_paths.extend(ev.rules)
         include_shipped = include_shipped and ev.include_shipped_rules
-        packs = list(ev.packs)
-    lateness = allowed_lateness_s(config, args.allowed_lateness)
-    rule_paths.extend(args.rules)
-    if args.pack:
-        packs = list(dict.fromkeys(args.pack))  # the command line's choice replaces the configuration's
-    ruleset = load_rules(rule_paths, include_shipped=include_shipped, packs=packs, limits=limits)
+        chosen = list(ev.packs)
+    lateness = allowed_lateness_s(config, allowed_lateness)
+    rule_paths.extend(rules or [])
+    if packs:
+        chosen = list(dict.fromkeys(packs))  # the command line's choice replaces the configuration's
+    ruleset = load_rules(rule_paths, include_shipped=include_shipped, packs=chosen, limits=limits)
     options = EngineOptions(
         strict=strict,
         allowed_lateness_s=lateness,
         mode="replay",
         max_remembered_entries=remembered,
     )
+    return ruleset, options
+
+
+def run(args: argparse.Namespace) -> int:
+    from processor.evaluate.engine import Engine
+    from processor.pipeline import Pipeline
+    from processor.report import Report
+
+    config = load_config_or_none(args.config)
+    ruleset, options = replay_rules(config, strict=args.strict, rules=args.rules,
+                                    include_shipped=not args.no_shipped_rules, packs=args.pack,
+                                    allowed_lateness=args.allowed_lateness)
     pipeline = Pipeline(Engine(ruleset, options))
+    pipeline.exemptions = exemptions = load_exemptions(config, args.waivers, args.baseline)
     if args.format in ("html", "junit"):
         from processor.state.views import MAX_ACTIONS_PER_SESSION, MemoryViews, ViewBounds
 
@@ -154,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
 
     report = Report(inputs=list(args.inputs))
     said: set[str] = set()
+    if exemptions is not None or args.write_baseline:
+        args.full_engine = True  # the action-log lane writes its report as it goes: nothing to mark or keep
     try:
         return _run_replay(args, config=config, pipeline=pipeline, ruleset=ruleset, options=options, report=report,
                            said=said)
@@ -194,6 +216,17 @@ def _run_replay(args: argparse.Namespace, *, config: Config | None, pipeline: Pi
                 report = Report(inputs=list(args.inputs))
         # The span converter (and protobuf) is loaded only for replays that may read spans.
         return _replay(args, pipeline, lambda: make_converter(args.config, config), report, ruleset, said=said)
+
+
+def load_exemptions(config: Config | None, waivers: str | None, baseline: str | None) -> Exemptions | None:
+    """The waivers (``--waivers``, else the configuration's ``evaluate.waivers``) and baseline a run honours."""
+    from processor.waivers import Exemptions, load_baseline, load_waivers
+
+    path = waivers or (config.evaluate.waivers if config is not None else "")
+    if not path and not baseline:
+        return None
+    return Exemptions(load_waivers(path) if path else None, load_baseline(baseline) if baseline else None,
+                      baseline_name=baseline or "")
 
 
 def _unwritable(args: argparse.Namespace, exc: OSError) -> OutputError:
@@ -279,6 +312,12 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callabl
                     sys.stderr.write(f"durable-check: {message}\n")
         report.add(pipeline.finish())
         report.summary = pipeline.engine.summary()
+        if args.write_baseline:
+            from processor.waivers import write_baseline
+
+            kept = write_baseline(args.write_baseline, report.ordered())
+            sys.stderr.write(f"durable-check: wrote {kept} finding(s) to the baseline "
+                             f"{printable(args.write_baseline)}\n")
         out = _open_output(args)
         if out is None:
             return 2

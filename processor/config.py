@@ -196,9 +196,13 @@ class EvaluateConfig:
     max_stall: Duration = _120S
     # serve: at stop, evaluate the spans still in the reordering window instead of keeping them (local use).
     flush_window_on_stop: bool = False
+    # The operator's waiver file (processor.waivers): findings it names are reported as waived.
+    waivers: str = ""
 
     def validate(self, path: str) -> list[Problem]:
         problems: list[Problem] = []
+        if self.waivers and not os.path.isfile(self.waivers):
+            problems.append(Problem(f"{path}.waivers", f"no such file: {self.waivers}"))
         if self.max_stall < 1:
             problems.append(Problem(f"{path}.max_stall", "must be at least 1s"))
         for index, rule_path in enumerate(self.rules):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from processor.records import Action, Malformed, SessionMark
-from processor.violations import Violation
+from processor.violations import WAIVED, Violation
 
 if TYPE_CHECKING:
     from exporters.base import Exporter
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from processor.state.views import ViewStore
     from processor.telemetry import Telemetry
     from processor.violation_caps import ViolationCaps
+    from processor.waivers import Exemptions
 
 
 class Pipeline:
@@ -39,6 +40,8 @@ class Pipeline:
         self._engine = engine
         # Serve's caps on violations per request and per session; replay reports everything.
         self.caps = caps
+        # The findings an operator's waivers or baseline accept: marked waived, counted apart.
+        self.exemptions: Exemptions | None = None
         self.exporters = list(exporters)
         self.telemetry = telemetry
         # Builds the engine again, with the same rules and options, on a store (it loads the state).
@@ -104,8 +107,16 @@ class Pipeline:
         return actions
 
     def capped(self, violations: list[Violation]) -> list[Violation]:
-        """The violations to report of one request or tick (see processor.violation_caps)."""
-        return self.caps.apply(violations) if self.caps is not None else violations
+        """The violations to report of one request or tick (see processor.violation_caps), the
+        waived ones marked (see processor.waivers)."""
+        if self.caps is not None:
+            violations = self.caps.apply(violations)
+        waived = self.exemptions.apply(violations) if self.exemptions is not None and violations else 0
+        if waived and self.telemetry is not None:
+            for v in violations:
+                if WAIVED in v.details:
+                    self.telemetry.violations_waived.labels(rule=v.rule).inc()
+        return violations
 
     def record_views(self, actions: Sequence[Action], violations: Sequence[Violation]) -> None:
         """Hand a batch to the operator view's read model (inside the batch's unit of work on a SQL store)."""

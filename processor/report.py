@@ -29,7 +29,7 @@ import orjson
 
 from processor.records import STDIN_ORIGIN
 from processor.summary import EngineSummary
-from processor.violations import Violation
+from processor.violations import WAIVED, Violation
 
 # Violations held in memory before a sorted run goes to a temporary file.
 SPILL_AT: Final = 20_000
@@ -63,6 +63,8 @@ class Report:
         self.unreadable: list[str] = []
         self.summary: EngineSummary | None = None
         self.violations_by_rule: Counter[str] = Counter()
+        # Findings a waiver or baseline accepts: listed, counted apart, never failing the run.
+        self.waived_by_rule: Counter[str] = Counter()
         self._position = {name: index for index, name in enumerate(self.inputs)}
         self._held: list[Violation] = []
         self._runs: list[IO[bytes]] = []
@@ -95,7 +97,10 @@ class Report:
 
     def add(self, violations: Iterable[Violation]) -> None:
         for violation in violations:
-            self.violations_by_rule[violation.rule] += 1
+            if WAIVED in violation.details:
+                self.waived_by_rule[violation.rule] += 1
+            else:
+                self.violations_by_rule[violation.rule] += 1
             self._held.append(violation)
         if len(self._held) >= self._spill_at:
             self._spill()
@@ -173,8 +178,16 @@ def span_where(line: int | None, session_id: str, action_id: str, trace_id: str,
 def write_text(report: Report, out: TextIO) -> None:
     several = len(report.inputs) > 1
     for v in report.ordered():
-        out.write(printable(f"{_where(v, several)}: {v.rule} {v.name}: {v.message}") + "\n")
+        out.write(printable(f"{_where(v, several)}: {v.rule} {v.name}: {v.message}{waived_note(v)}") + "\n")
     write_text_tail(report, out)
+
+
+def waived_note(v: Violation) -> str:
+    """`` (waived: reason, by file:line)`` for a finding a waiver or baseline accepts, else empty."""
+    mark = v.details.get(WAIVED)
+    if not isinstance(mark, dict):
+        return ""
+    return f" (waived: {mark.get('reason', '')}; {mark.get('by', '')})"
 
 
 def write_text_tail(report: Report, out: TextIO) -> None:
@@ -193,6 +206,9 @@ def verdict_line(report: Report) -> str:
         text = f"{total} violation(s) in {report.actions} action(s) [{rules}]"
     else:
         text = f"{report.actions} action(s), no violations"
+    waived = report.waived_by_rule.total()
+    if waived:
+        text += f"; {waived} waived"
     if report.malformed:
         text += f"; {report.malformed} malformed item(s) not checked"
     if report.unreadable:
@@ -234,9 +250,11 @@ def json_report_parts(report: Report) -> tuple[str, str | None]:
         "actions": report.actions,
         "duplicates": report.duplicates,
         "malformed": report.malformed,
-        "violations": [_VIOLATIONS_MARK] if report.violation_count else [],
+        "violations": [_VIOLATIONS_MARK] if report.violation_count or report.waived_by_rule else [],
         "unreadable": report.unreadable,
     }
+    if report.waived_by_rule:
+        doc["waived"] = report.waived_by_rule.total()  # findings listed with details.waived, failing nothing
     if report.summary is not None:
         doc.update(report.summary.to_json())
     text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()

@@ -28,6 +28,7 @@ from processor.records import STDIN_ORIGIN
 from processor.report import Report
 from processor.state.views import MemoryViews
 from processor.violations import Violation
+from processor.waivers import is_waived, waiver_of
 
 SARIF_SCHEMA: Final = "https://json.schemastore.org/sarif-2.1.0.json"
 _SARIF_LEVEL: Final = {"critical": "error", "error": "error", "warning": "warning", "info": "note"}
@@ -98,27 +99,38 @@ def write_junit(report: Report, views: MemoryViews, out: TextIO) -> None:
             found = by_session.get(sid, []) if sid not in placed else []
             placed.add(sid)
             case = ET.SubElement(suite, "testcase", name=xml_text(sid), classname=xml_text(name))
-            for v in found:
-                failure = ET.SubElement(case, "failure", message=_failure_message(v), type=xml_text(v.rule))
-                failure.text = _failure_text(v)
-            failures += 1 if found else 0
+            _add_findings(case, found)
+            failures += 1 if any(not is_waived(v) for v in found) else 0
         suite.set("tests", str(len(sessions)))
         suite.set("failures", str(failures))
         suite.set("errors", "0")
     # Violations of sessions no input listed (malformed lines, DS000) go to a suite of their own.
     rest = [sid for sid in by_session if sid not in placed]
     if rest:
+        failing = sum(1 for sid in rest if any(not is_waived(v) for v in by_session[sid]))
         suite = ET.SubElement(suites, "testsuite", name="(records without a session)", tests=str(len(rest)),
-                              failures=str(len(rest)), errors="0")
+                              failures=str(failing), errors="0")
         for sid in rest:
             case = ET.SubElement(suite, "testcase", name=xml_text(sid) or "(no session)", classname="durable-check")
-            for v in by_session[sid]:
-                failure = ET.SubElement(case, "failure", message=_failure_message(v), type=xml_text(v.rule))
-                failure.text = _failure_text(v)
+            _add_findings(case, by_session[sid])
     ET.indent(suites)
     out.write('<?xml version="1.0" encoding="UTF-8"?>\n')
     out.write(ET.tostring(suites, encoding="unicode"))
     out.write("\n")
+
+
+def _add_findings(case: ET.Element, found: list[Violation]) -> None:
+    """A failure per finding; a waived one is a property of the test case instead (it does not fail it)."""
+    waived = [(v, mark) for v in found if (mark := waiver_of(v)) is not None]
+    if waived:
+        properties = ET.SubElement(case, "properties")
+        for v, mark in waived:
+            ET.SubElement(properties, "property", name=f"durable-check.waived.{xml_text(v.rule)}",
+                          value=xml_text(f"{v.message} (waived: {mark.get('reason', '')}; {mark.get('by', '')})"))
+    for v in found:
+        if not is_waived(v):
+            failure = ET.SubElement(case, "failure", message=_failure_message(v), type=xml_text(v.rule))
+            failure.text = _failure_text(v)
 
 
 def _failure_message(v: Violation) -> str:
@@ -166,6 +178,12 @@ def write_sarif(report: Report, rules: RuleSet, out: TextIO) -> None:
                                     "logicalLocations": [{"name": v.session_id, "kind": "session"}]}]
         if v.trace_id:
             result["properties"].update(trace_id=v.trace_id, span_id=v.span_id)
+        mark = waiver_of(v)
+        if mark is not None:
+            # Accepted by the operator's waiver file or baseline, outside the analysed input.
+            result["suppressions"] = [{"kind": "external", "status": "accepted",
+                                       "justification": mark.get("reason", ""),
+                                       "properties": {"waived_by": mark.get("by", "")}}]
         results.append(result)
     doc = {
         "$schema": SARIF_SCHEMA,

@@ -104,7 +104,13 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
         per_session=config.evaluate.max_violations_per_session,
         max_sessions=config.evaluate.max_sessions,
     ), telemetry)
-    return Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry, engine_factory, caps)
+    pipeline = Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry, engine_factory, caps)
+    if config.evaluate.waivers:
+        from processor.waivers import Exemptions, load_waivers
+
+        # Read once at start: the waiver file is the operator's, changed with a restart like the rules.
+        pipeline.exemptions = Exemptions(load_waivers(config.evaluate.waivers))
+    return pipeline
 
 
 def describe_protection(tls: TLSConfig, auth: AuthConfig) -> str:

@@ -57,6 +57,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("violations_capped", "durable_check_violations_capped", "counter",
                "Violations not reported one by one past a cap, by scope (session, request); "
                "each cap raises one DS113 summary instead.", ("scope",)),
+    MetricSpec("violations_waived", "durable_check_violations_waived", "counter",
+               "Violations an operator's waiver or baseline accepts (reported as waived, not as errors), "
+               "by rule.", ("rule",)),
     # The processor's own health.
     MetricSpec("spans_received", "durable_check_spans_received", "counter",
                "Spans received, by protocol (grpc, http, file).", ("protocol",)),
@@ -129,6 +132,7 @@ class Telemetry:
     state_entries_dropped: Counter
     rule_errors: Counter
     violations_capped: Counter
+    violations_waived: Counter
     spans_received: Counter
     spans_rejected: Counter
     spans_duplicate: Counter

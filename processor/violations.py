@@ -10,6 +10,8 @@ from processor.records import Action, Malformed
 
 Severity = Literal["critical", "error", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = ("critical", "error", "warning", "info")
+# The key of ``details`` that marks a finding a waiver or baseline accepts (processor.waivers).
+WAIVED = "waived"
 
 
 def record_identity(item: Action | Malformed) -> str:

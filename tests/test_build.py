@@ -68,6 +68,12 @@ def test_a_wheel_asked_not_to_compile_is_pure_python(tmp_path: Path) -> None:
     result = _wheel(tmp_path, DURABLE_CHECK_COMPILE="0")
     assert result.returncode == 0, result.stdout + result.stderr
     assert _tag(tmp_path) == "py3-none-any"
+    # The pytest plugin ships in the wheel, registered the standard way (off until asked).
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        (entry_points,) = (n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt"))
+        assert "durable_check/pytest_plugin.py" in archive.namelist()
+        assert "[pytest11]\ndurable_check = durable_check.pytest_plugin" in archive.read(entry_points).decode()
 
 
 def test_without_a_c_compiler_the_wheel_is_pure_python_and_says_so(tmp_path: Path) -> None:

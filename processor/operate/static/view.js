@@ -102,9 +102,15 @@
     return `Nothing yet: it has ${span(w.time_left_s).replace(" left", "")} before its deadline. If it is stuck: ${fixOf("DS107")}`;
   }
 
+  // A finding an operator's waiver or baseline accepts: shown, marked, with the reason on hover.
+  function waivedMark(v) {
+    const w = v.details && v.details.waived;
+    return w ? [" ", el("span", { class: "badge waived", title: `${w.reason || ""} (${w.by || ""})` }, "waived")] : [];
+  }
+
   function violationRows(items, base, withSession) {
     return items.map((v) => el("tr", {},
-      el("td", {}, badge(v.severity)),
+      el("td", {}, badge(v.severity), ...waivedMark(v)),
       el("td", {}, el("span", { class: "mono" }, v.rule), " ", v.name || ""),
       withSession ? el("td", {}, sessionLink(v.session_id, base)) : null,
       el("td", { class: "mono" }, v.action_id || "—"),
@@ -137,7 +143,10 @@
       el("td", {}, badge(c.severity)), el("td", { class: "num" }, c.count)));
     main.append(el("section", { "aria-labelledby": "counts-h" }, el("h2", { id: "counts-h" }, "Counts by rule"),
       table("Violations by rule and severity", ["Rule", "Name", "Severity", "Count"], counts, "No violations yet.")));
+    const waived = data.items.filter((v) => v.details && v.details.waived).length;
     main.append(el("section", { "aria-labelledby": "recent-h" }, el("h2", { id: "recent-h" }, "Recent"),
+      waived ? el("p", { class: "waived-count" }, `${waived} of these are waived: accepted by the operator, not errors.`)
+        : null,
       table("Recent violations, newest first", ["Severity", "Rule", "Session", "Action", "Message", "Time"],
         violationRows(data.items, base, true), "No violation matches.")));
     if (pager) main.append(pager(data.items.length, null));
@@ -207,7 +216,7 @@
     // The fix in the input's language: span attributes and the annotate helper, or log fields.
     const fix = v.span_id ? rule.fix_spans : rule.fix_logs;
     const cell = el("td", { colspan: "7", class: "violation" },
-      badge(v.severity), " ", el("strong", {}, `${v.rule} ${v.name || ""}`), ": ", v.message,
+      badge(v.severity), ...waivedMark(v), " ", el("strong", {}, `${v.rule} ${v.name || ""}`), ": ", v.message,
       fix ? el("div", { class: "fix" }, el("span", { class: "fix-label" }, "How to fix: "), fix) : null);
     return el("tr", { class: "violation-row", "data-rule": v.rule, "data-for": v.action_id || "" }, cell);
   }

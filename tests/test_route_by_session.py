@@ -9,16 +9,20 @@ finding comes out of two evaluators.
 
 from __future__ import annotations
 
+import copy
 import random
+import time
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+import yaml
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -31,13 +35,17 @@ from processor.evaluate.engine import Engine, EngineOptions
 from processor.evaluate.rulefmt import load_rules
 from processor.pipeline import Pipeline
 from processor.route.by_session import ROUTING_ATTRIBUTE, SessionSplitter
-from tests.durable_support import session_steps
-from tests.serve_support import Key, serve_config
+from tests.collector_support import REPO, Collector, build_collector
+from tests.durable_support import ServeProcess, serve_settings, session_steps, write_config
+from tests.serve_support import Key, keys_of, read_jsonl, serve_config
+from tests.servers import free_port, wait_until
 
 _MS = 1_000_000
 _NS = 1_000_000_000
 T0 = 1_780_000_000 * _NS
 LATENESS_NS = 2 * _NS
+BY_SESSION_CONFIG = REPO / "config" / "otel-collector-by-session.yaml"
+BY_SESSION = "loadbalancing/by-session"
 
 
 class _SeededIds(IdGenerator):
@@ -51,7 +59,9 @@ class _SeededIds(IdGenerator):
         return self._rng.getrandbits(128) | 1
 
 
-def session_traces(seed: int, sessions: int, traces: int, steps: int) -> list[list[ReadableSpan]]:
+def session_traces(
+    seed: int, sessions: int, traces: int, steps: int, start_ns: int = T0
+) -> list[list[ReadableSpan]]:
     """Every session's traces, each as the SDK ends it: its children (naming no session) before its root.
 
     The root names the session with ``gen_ai.conversation.id`` or ``durable.session.id`` (the
@@ -68,7 +78,7 @@ def session_traces(seed: int, sessions: int, traces: int, steps: int) -> list[li
         tracer = provider.get_tracer("durable-check-tests")
         steps_of_session = session_steps(rng, session, traces * steps)
         for k in range(traces):
-            t0 = T0 + k * 300 * _MS + s * 5 * _MS
+            t0 = start_ns + k * 300 * _MS + s * 5 * _MS
             key = "gen_ai.conversation.id" if rng.random() < 0.5 else "durable.session.id"
             root = tracer.start_span(f"turn {k}", start_time=t0, attributes={key: session})
             context = trace.set_span_in_context(root)
@@ -122,9 +132,17 @@ def session_of(resource_spans: Any) -> str:
     return ""
 
 
+def through_splitter(requests: Sequence[Any], lateness_ns: int = LATENESS_NS) -> list[list[Any]]:
+    """What the first tier sends on for each request (and, last, what it held to the end)."""
+    splitter = SessionSplitter(SpanConverter(), lateness_ns)
+    out = [splitter.admit(request, 0) for request in requests]
+    out.append(splitter.release_all())
+    assert splitter.held_spans == 0
+    return out
+
+
 def split_over(requests: Sequence[Any], evaluators: int) -> list[list[Any]]:
     """Through the splitter, then each ResourceSpans to the evaluator its session hashes to."""
-    splitter = SessionSplitter(SpanConverter(), LATENESS_NS)
     routed: list[list[Any]] = [[] for _ in range(evaluators)]
 
     def send(resource_spans: list[Any]) -> None:
@@ -135,10 +153,8 @@ def split_over(requests: Sequence[Any], evaluators: int) -> list[list[Any]]:
             if part:
                 routed[index].append(trace_service_pb2.ExportTraceServiceRequest(resource_spans=part))
 
-    for request in requests:
-        send(splitter.admit(request, 0))
-    send(splitter.release_all())
-    assert splitter.held_spans == 0
+    for resource_spans in through_splitter(requests):
+        send(resource_spans)
     return routed
 
 
@@ -224,3 +240,117 @@ def test_a_trace_that_never_names_its_session_goes_on_as_its_own_session_after_t
     out = splitter.release_due(10 * _NS + LATENESS_NS)
     trace_id = format(children[0].context.trace_id, "032x")
     assert [session_of(rs) for rs in out] == [trace_id]
+
+
+# -- the second hop: a real Collector routing by the resource's session to evaluators on SQLite ----------
+
+EVALUATORS = 3
+
+
+@pytest.fixture(scope="module")
+def otelcol() -> Path:
+    return build_collector()
+
+
+def later_span(seed: int, start_ns: int) -> Any:
+    """One request: a tool call of another session, starting at ``start_ns``."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(id_generator=_SeededIds(seed * 1000 + 999))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    attributes = {"durable.session.id": f"route-{seed}-later", "durable.action.id": f"route-{seed}-later-a0",
+                  "durable.action.kind": "tool_call"}
+    provider.get_tracer("durable-check-tests").start_span("later", start_time=start_ns,
+                                                           attributes=attributes).end(end_time=start_ns + _MS)
+    provider.shutdown()
+    return encode_spans(memory.get_finished_spans())
+
+
+def delivered(collector: Collector, count: int) -> None:
+    wait_until(lambda: collector.sent_spans(BY_SESSION) >= count, timeout_s=60.0, what=f"{count} spans delivered")
+
+
+def _by_session_collector(otelcol: Path, tmp: Path, replicas: Sequence[ServeProcess]) -> Collector:
+    """The second hop as config/otel-collector-by-session.yaml ships it, a static resolver naming local replicas."""
+    collector = Collector(otelcol, tmp, name="by-session", metrics_port=free_port())
+    shipped = yaml.safe_load(BY_SESSION_CONFIG.read_text(encoding="utf-8"))
+    exporter = copy.deepcopy(shipped["exporters"][BY_SESSION])
+    assert exporter["routing_key"] == "attributes" and exporter["routing_attributes"] == [ROUTING_ATTRIBUTE]
+    exporter["resolver"] = {"static": {"hostnames": [f"127.0.0.1:{r.grpc_port}" for r in replicas]}}
+    exporter["protocol"]["otlp"]["retry_on_failure"] = {
+        "enabled": True, "initial_interval": "100ms", "max_interval": "1s", "max_elapsed_time": "60s"}
+    exporter["protocol"]["otlp"]["sending_queue"] = {"enabled": False}
+    collector.start({
+        "receivers": collector.receiver(),
+        "exporters": {BY_SESSION: exporter},
+        "service": {"pipelines": {"traces": {"receivers": ["otlp"], "exporters": [BY_SESSION]}}},
+    })
+    return collector
+
+
+@pytest.mark.slow
+def test_a_real_collector_routing_by_the_resource_session_gives_each_session_to_one_evaluator(
+    tmp_path: Path, otelcol: Path
+) -> None:
+    """The splitter's output through the Collector's loadbalancing exporter (routing_key: attributes)
+    to three ``serve`` replicas with embedded SQLite state: together they find what replay finds,
+    each session at one replica, nothing written twice; two seeds, one after the other."""
+    settings: dict[str, Any] = {"evaluate": {"tick_interval": "50ms", "allowed_lateness": "2s"}}
+    config = serve_config(tmp_path, settings)
+    replicas = []
+    for n in range(EVALUATORS):
+        workdir = tmp_path / f"e{n}"
+        workdir.mkdir()
+        port = free_port()
+        document = serve_settings(workdir, port, {"backend": "sqlite", "path": str(workdir / "state.db")},
+                                  workdir / "violations.jsonl")
+        document["evaluate"] = settings["evaluate"]
+        replicas.append(ServeProcess(write_config(workdir / "serve.yaml", document), port, workdir / "serve.log"))
+    for replica in replicas:
+        replica.start()
+    collector: Collector | None = None
+    references: dict[int, set[Key]] = {}
+    try:
+        for replica in replicas:
+            replica.wait_ready()
+        collector = _by_session_collector(otelcol, tmp_path, replicas)
+        sent = 0
+        with grpc.insecure_channel(collector.endpoint) as channel:
+            stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
+            for seed in (11, 12):
+                rng = random.Random(seed)
+                start_ns = time.time_ns()
+                traces = session_traces(seed, sessions=8, traces=3, steps=3, start_ns=start_ns)
+                requests = requests_of(rng, interleaved(rng, traces))
+                # Agents keep working after these sessions: event time passes their waits' deadlines,
+                # so replay decides the waits as the replicas' clocks do.
+                later = later_span(seed, start_ns + 10 * _NS)
+                references[seed] = replay_keys([*requests, later], config)
+                for part in ([*requests], [later]):
+                    for resource_spans in through_splitter(part, lateness_ns=2 * _NS):
+                        if resource_spans:
+                            stub.Export(trace_service_pb2.ExportTraceServiceRequest(resource_spans=resource_spans),
+                                        timeout=10.0)
+                    sent += spans_in(part)
+                    delivered(collector, sent)
+        assert collector is not None
+        time.sleep(4.0)  # the replicas' reordering window (2 s) and the waits' deadlines (1 s) pass
+        assert collector.stop() == 0, collector.log()
+        assert "Dropping data" not in collector.log()
+    finally:
+        if collector is not None:
+            collector.stop()
+        codes = [replica.stop() for replica in replicas]
+    assert codes == [0] * EVALUATORS, "\n".join(r.log() for r in replicas)
+    files = [read_jsonl(tmp_path / f"e{n}" / "violations.jsonl") for n in range(EVALUATORS)]
+    ids = [d["violation_id"] for documents in files for d in documents]
+    assert len(ids) == len(set(ids)), "a violation was written twice"
+    sessions = [{d["session_id"] for d in documents} for documents in files]
+    # The exporter's ring decides the split (it hashes the replicas' addresses, free ports here).
+    assert sum(1 for held in sessions if held) >= 2, "the sessions must spread over the evaluators"
+    for a in range(EVALUATORS):
+        for b in range(a + 1, EVALUATORS):
+            assert not sessions[a] & sessions[b], "a session reached two evaluators"
+    found = keys_of([d for documents in files for d in documents])
+    for seed, reference in references.items():
+        mine = {k for k in found if k[2].startswith(f"route-{seed}-")}
+        assert mine == reference, f"seed {seed}: missing {sorted(reference - mine)}, extra {sorted(mine - reference)}"

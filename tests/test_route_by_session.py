@@ -9,8 +9,10 @@ finding comes out of two evaluators.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
+import sqlite3
 import time
 import zlib
 from collections.abc import Sequence
@@ -265,6 +267,13 @@ def later_span(seed: int, start_ns: int) -> Any:
     return encode_spans(memory.get_finished_spans())
 
 
+def sessions_held(state: Path) -> int:
+    """Sessions a replica's SQLite state holds (read-only, beside the replica's own writes)."""
+    with contextlib.closing(sqlite3.connect(f"file:{state}?mode=ro", uri=True, timeout=5.0)) as db:
+        row = db.execute("SELECT count(*) FROM sessions").fetchone()
+    return int(row[0])
+
+
 def delivered(collector: Collector, count: int) -> None:
     wait_until(lambda: collector.sent_spans(BY_SESSION) >= count, timeout_s=60.0, what=f"{count} spans delivered")
 
@@ -288,12 +297,17 @@ def _by_session_collector(otelcol: Path, tmp: Path, replicas: Sequence[ServeProc
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kill", [False, True], ids=["steady", "evaluator-killed"])
 def test_a_real_collector_routing_by_the_resource_session_gives_each_session_to_one_evaluator(
-    tmp_path: Path, otelcol: Path
+    tmp_path: Path, otelcol: Path, kill: bool
 ) -> None:
     """The splitter's output through the Collector's loadbalancing exporter (routing_key: attributes)
     to three ``serve`` replicas with embedded SQLite state: together they find what replay finds,
-    each session at one replica, nothing written twice; two seeds, one after the other."""
+    each session at one replica, nothing written twice; two seeds, one after the other.
+
+    With ``kill``: one replica is SIGKILLed halfway through the first seed and started again at
+    its address; the Collector holds and retries what routes to it meanwhile, and the replica
+    resumes from its own state (journal, reordering buffer, outbox)."""
     settings: dict[str, Any] = {"evaluate": {"tick_interval": "50ms", "allowed_lateness": "2s"}}
     config = serve_config(tmp_path, settings)
     replicas = []
@@ -325,8 +339,18 @@ def test_a_real_collector_routing_by_the_resource_session_gives_each_session_to_
                 # so replay decides the waits as the replicas' clocks do.
                 later = later_span(seed, start_ns + 10 * _NS)
                 references[seed] = replay_keys([*requests, later], config)
-                for part in ([*requests], [later]):
-                    for resource_spans in through_splitter(part, lateness_ns=2 * _NS):
+                for stage, part in enumerate(([*requests], [later])):
+                    outputs = through_splitter(part, lateness_ns=2 * _NS)
+                    for index, resource_spans in enumerate(outputs):
+                        if kill and (seed, stage, index) == (11, 0, len(outputs) // 2):
+                            delivered(collector, sent + sum(len(ss.spans) for batch in outputs[:index]
+                                                           for rs in batch for ss in rs.scope_spans))
+                            held = [sessions_held(tmp_path / f"e{n}" / "state.db") for n in range(EVALUATORS)]
+                            killed = replicas[held.index(max(held))]
+                            assert max(held) > 0
+                            killed.kill()
+                            killed.start()
+                            killed.wait_ready()
                         if resource_spans:
                             stub.Export(trace_service_pb2.ExportTraceServiceRequest(resource_spans=resource_spans),
                                         timeout=10.0)
@@ -341,6 +365,7 @@ def test_a_real_collector_routing_by_the_resource_session_gives_each_session_to_
             collector.stop()
         codes = [replica.stop() for replica in replicas]
     assert codes == [0] * EVALUATORS, "\n".join(r.log() for r in replicas)
+    assert sum(replica.kills for replica in replicas) == (1 if kill else 0)
     files = [read_jsonl(tmp_path / f"e{n}" / "violations.jsonl") for n in range(EVALUATORS)]
     ids = [d["violation_id"] for documents in files for d in documents]
     assert len(ids) == len(set(ids)), "a violation was written twice"

@@ -323,6 +323,7 @@ def test_a_real_collector_routing_by_the_resource_session_gives_each_session_to_
         replica.start()
     collector: Collector | None = None
     references: dict[int, set[Key]] = {}
+    later_ns = 0
     try:
         for replica in replicas:
             replica.wait_ready()
@@ -332,12 +333,15 @@ def test_a_real_collector_routing_by_the_resource_session_gives_each_session_to_
             stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
             for seed in (11, 12):
                 rng = random.Random(seed)
-                start_ns = time.time_ns()
+                # After the previous seed's later span: what a replica receives stays in event-time order.
+                start_ns = max(time.time_ns(), later_ns + _NS)
+                time.sleep(max(0.0, (start_ns - time.time_ns()) / _NS))
                 traces = session_traces(seed, sessions=8, traces=3, steps=3, start_ns=start_ns)
                 requests = requests_of(rng, interleaved(rng, traces))
                 # Agents keep working after these sessions: event time passes their waits' deadlines,
                 # so replay decides the waits as the replicas' clocks do.
-                later = later_span(seed, start_ns + 10 * _NS)
+                later_ns = start_ns + 5 * _NS  # past the last wait's deadline (1 s) and the lateness (2 s)
+                later = later_span(seed, later_ns)
                 references[seed] = replay_keys([*requests, later], config)
                 for stage, part in enumerate(([*requests], [later])):
                     outputs = through_splitter(part, lateness_ns=2 * _NS)

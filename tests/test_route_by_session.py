@@ -13,6 +13,8 @@ import contextlib
 import copy
 import random
 import sqlite3
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Sequence
@@ -383,3 +385,20 @@ def test_a_real_collector_routing_by_the_resource_session_gives_each_session_to_
     for seed, reference in references.items():
         mine = {k for k in found if k[2].startswith(f"route-{seed}-")}
         assert mine == reference, f"seed {seed}: missing {sorted(reference - mine)}, extra {sorted(mine - reference)}"
+
+
+# -- the benchmarks run end to end at a tiny size (no timing asserted) --------------------------------------
+
+def test_the_first_tiers_benchmark_runs(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "bench/bench_route.py", "3000"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "splitter (convert, resolve, regroup, encode)" in done.stdout and "3,000 spans" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_two_tier_latency_benchmark_finds_every_run(otelcol: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.route_latency", "--runs", "30", "--rate", "30"], cwd=REPO,
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "findings 30 " in done.stdout and "send to finding: median" in done.stdout

@@ -402,3 +402,39 @@ def test_the_two_tier_latency_benchmark_finds_every_run(otelcol: Path) -> None:
                           capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "findings 30 " in done.stdout and "send to finding: median" in done.stdout
+
+
+def test_a_span_delivered_twice_while_held_goes_on_twice_with_its_session(tmp_path: Path) -> None:
+    """A redelivery is not the splitter's to drop: both copies go on, and the evaluator that gets
+    them counts the span once, as replay of the same requests does."""
+    config = serve_config(tmp_path, {"evaluate": {"allowed_lateness": "2s"}})
+    traces = session_traces(9, sessions=1, traces=1, steps=2)
+    children, root = traces[0][:-1], traces[0][-1]
+    requests = [encode_spans(children), encode_spans(children), encode_spans([root])]
+    splitter = SessionSplitter(SpanConverter(), LATENESS_NS)
+    assert splitter.admit(requests[0], 0) == [] and splitter.admit(requests[1], 0) == []
+    out = splitter.admit(requests[2], 0)
+    assert [session_of(rs) for rs in out] == ["route-9-00"]
+    assert sum(len(ss.spans) for ss in out[0].scope_spans) == 5
+    routed = [trace_service_pb2.ExportTraceServiceRequest(resource_spans=out)]
+    assert replay_keys(routed, config) == replay_keys(requests, config)
+
+
+def test_a_rejected_span_goes_on_at_once_and_is_rejected_where_it_lands(tmp_path: Path) -> None:
+    config = serve_config(tmp_path, {"evaluate": {"allowed_lateness": "2s"}})
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("durable-check-tests")
+    with tracer.start_as_current_span("run", attributes={"gen_ai.conversation.id": "conv-bad"}):
+        tracer.start_span("step", attributes={"durable.action.kind": "tool_call",
+                                              "durable.retry.attempt": "three"}).end()
+    provider.shutdown()
+    request = encode_spans(memory.get_finished_spans())
+    assert SpanConverter().convert(request).rejected, "the span must be one the converter rejects"
+    splitter = SessionSplitter(SpanConverter(), LATENESS_NS)
+    out = splitter.admit(request, 0) + splitter.release_all()
+    assert sum(len(ss.spans) for rs in out for ss in rs.scope_spans) == 2
+    routed = [trace_service_pb2.ExportTraceServiceRequest(resource_spans=out)]
+    assert replay_keys(routed, config) == replay_keys([request], config)
+    assert any(rule == "DS000" for rule, _, _ in replay_keys([request], config))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import orjson
 import pytest
 import yaml
 from opentelemetry import trace
@@ -445,3 +446,22 @@ def test_a_rejected_span_goes_on_at_once_and_is_rejected_where_it_lands(tmp_path
     routed = [trace_service_pb2.ExportTraceServiceRequest(resource_spans=out)]
     assert replay_keys(routed, config) == replay_keys([request], config)
     assert any(rule == "DS000" for rule, _, _ in replay_keys([request], config))
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_a_splitter_read_back_from_its_plain_state_goes_on_as_the_one_it_was(seed: int) -> None:
+    """What a restart would keep: cut the stream anywhere, write the splitter's state as JSON, read
+    it back into a new splitter and go on; what it sends on is what an uninterrupted one sends."""
+    rng = random.Random(seed)
+    requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=6, traces=3, steps=3)))
+    whole = through_splitter(requests)
+    for cut in rng.sample(range(1, len(requests)), 3):
+        first = SessionSplitter(SpanConverter(), LATENESS_NS)
+        out = [first.admit(request, 0) for request in requests[:cut]]
+        assert first.held_spans, "cut where spans are held, or nothing is read back"
+        plain = orjson.loads(orjson.dumps(first.to_plain()))
+        second = SessionSplitter.from_plain(SpanConverter(), LATENESS_NS, plain)
+        out += [second.admit(request, 0) for request in requests[cut:]]
+        out.append(second.release_all())
+        assert [[rs.SerializeToString() for rs in batch] for batch in out] == \
+            [[rs.SerializeToString() for rs in batch] for batch in whole]

@@ -19,7 +19,7 @@ state. What is held is bounded by the identity stage's own bounds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -76,6 +76,35 @@ class SessionSplitter:
     @property
     def held_spans(self) -> int:
         return len(self._waiting)
+
+    def to_plain(self) -> dict[str, Any]:
+        """What the splitter holds, as plain data (spans as hex of their OTLP bytes), for a store to keep
+        across a restart; :meth:`from_plain` gives a splitter that goes on as this one would."""
+        return {
+            "seq": self._seq,
+            "identity": self._resolver.state.to_plain(),
+            "waiting": [
+                [trace_id, span_id, waiting.pending, waiting.session,
+                 [[p.resource.SerializeToString().hex(), p.resource_schema, p.scope.SerializeToString().hex(),
+                   p.scope_schema, p.span.SerializeToString().hex()] for p in waiting.copies]]
+                for (trace_id, span_id), waiting in self._waiting.items()
+            ],
+        }
+
+    @classmethod
+    def from_plain(cls, converter: SpanConverter, lateness_ns: int, plain: Mapping[str, Any]) -> SessionSplitter:
+        splitter = cls(converter, lateness_ns, IdentityState.from_plain(plain["identity"]))
+        splitter._seq = int(plain["seq"])
+        for trace_id, span_id, pending, session, copies in plain["waiting"]:
+            placed = [
+                _Placed(resource_pb2.Resource.FromString(bytes.fromhex(resource)), str(resource_schema),
+                        common_pb2.InstrumentationScope.FromString(bytes.fromhex(scope)), str(scope_schema),
+                        trace_pb2.Span.FromString(bytes.fromhex(span)))
+                for resource, resource_schema, scope, scope_schema, span in copies
+            ]
+            splitter._waiting[(str(trace_id), str(span_id))] = _Waiting(
+                placed, int(pending), None if session is None else str(session))
+        return splitter
 
     def admit(self, request: Any, now_ns: int) -> list[Any]:
         """``request``: an ExportTraceServiceRequest. The ResourceSpans ready to send on, per session."""

@@ -1,0 +1,189 @@
+"""Latency from send to finding through the two tiers (docs/scaling.md, "Two tiers").
+
+Each agent run is one trace: a payment call without an idempotency key (DS002, judged on
+the span alone) exported first, naming no session, then the run's root naming the
+conversation, in a request of its own a little later, as an SDK exports them. Tier 1 is
+the splitter (processor.route.by_session) in this process; tier 2 is the Collector built
+from deploy/collector/ with config/otel-collector-by-session.yaml (a static resolver
+naming the evaluators) in front of ``serve`` evaluators with their default (SQLite) state
+and a JSONL exporter. Timed per run: from the export of its payment span to the moment its
+DS002 line appears in an evaluator's file, medians and the 90th percentile, so it holds the
+wait for the root, both Collector hops' batching and the evaluator's own path.
+
+    python -m bench.route_latency                    # 300 runs, 2 evaluators, 20 runs/s
+    python -m bench.route_latency --runs 600 --evaluators 3 --rate 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from bench.live import Tailer, _wait_ready, free_ports
+from processor.convert.spans import SpanConverter
+from processor.route.by_session import SessionSplitter
+
+_ROOT = Path(__file__).resolve().parents[1]
+_EXPORTER = "loadbalancing/by-session"
+_ROOT_DELAY_S = 0.05  # the root ends, so is exported, after its child
+_NS = 1_000_000_000
+
+
+def _attr(key: str, value: str) -> common_pb2.KeyValue:
+    return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(string_value=value))
+
+
+def _request(span: trace_pb2.Span) -> Any:
+    unit = trace_pb2.ResourceSpans()
+    unit.resource.attributes.append(_attr("service.name", "latency-agent"))
+    unit.scope_spans.add().spans.append(span)
+    return trace_service_pb2.ExportTraceServiceRequest(resource_spans=[unit])
+
+
+def _run(n: int, now_ns: int) -> tuple[Any, Any]:
+    trace_id = (n + 1).to_bytes(16, "big")
+    root_id = (n + 1).to_bytes(8, "big")
+    child = trace_pb2.Span(trace_id=trace_id, span_id=(n + 1 + (1 << 40)).to_bytes(8, "big"), parent_span_id=root_id,
+                           name="refund", start_time_unix_nano=now_ns, end_time_unix_nano=now_ns + 1_000_000,
+                           attributes=[_attr("durable.action.kind", "payment"),
+                                       _attr("durable.action.id", f"pay-{n}")])
+    root = trace_pb2.Span(trace_id=trace_id, span_id=root_id, name="invoke_agent", start_time_unix_nano=now_ns - 1000,
+                          end_time_unix_nano=now_ns + 2_000_000,
+                          attributes=[_attr("gen_ai.conversation.id", f"conv-{n // 3}")])
+    return _request(child), _request(root)
+
+
+def _collector_binary() -> str:
+    done = subprocess.run(["bash", str(_ROOT / "deploy/collector/build.sh")], capture_output=True, text=True,
+                          timeout=1800, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--evaluators", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=20.0, help="agent runs started per second")
+    args = parser.parse_args(argv)
+    binary = _collector_binary()
+    with tempfile.TemporaryDirectory(prefix="route-latency-") as tmp, contextlib.ExitStack() as stack:
+        work = Path(tmp)
+        ports = free_ports(2 * args.evaluators + 2)
+        procs: list[subprocess.Popen[bytes]] = []
+        tailers = []
+        for e in range(args.evaluators):
+            grpc_port, http_port = ports[2 * e], ports[2 * e + 1]
+            config = {
+                "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
+                                       "http": {"endpoint": f"127.0.0.1:{http_port}"}}},
+                "state": {"backend": "sqlite", "path": str(work / f"e{e}.db")},
+                "exporters": {"jsonl": {"path": str(work / f"e{e}.jsonl")}},
+            }
+            path = work / f"e{e}.yaml"
+            path.write_text(yaml.safe_dump(config), encoding="utf-8")
+            log = (work / f"e{e}.log").open("ab")
+            procs.append(subprocess.Popen([sys.executable, "-m", "processor.cli", "serve", "--config", str(path)],
+                                          cwd=_ROOT, stdout=log, stderr=log, stdin=subprocess.DEVNULL))
+            _wait_ready(http_port, procs[-1])
+            tailer = Tailer(work / f"e{e}.jsonl")
+            tailer.start()
+            tailers.append(tailer)
+        collector_port, health_port = ports[-2], ports[-1]
+        shipped = yaml.safe_load((_ROOT / "config/otel-collector-by-session.yaml").read_text(encoding="utf-8"))
+        exporter = copy.deepcopy(shipped["exporters"][_EXPORTER])
+        exporter["resolver"] = {"static": {"hostnames": [f"127.0.0.1:{ports[2 * e]}" for e in range(args.evaluators)]}}
+        document = {
+            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": f"127.0.0.1:{collector_port}"}}}},
+            "exporters": {_EXPORTER: exporter},
+            "extensions": {"health_check": {"endpoint": f"127.0.0.1:{health_port}"}},
+            "service": {"extensions": ["health_check"], "telemetry": {"metrics": {"level": "none"}},
+                        "pipelines": {"traces": {"receivers": ["otlp"], "exporters": [_EXPORTER]}}},
+        }
+        (work / "collector.yaml").write_text(yaml.safe_dump(document), encoding="utf-8")
+        log = (work / "collector.log").open("ab")
+        collector = subprocess.Popen([binary, "--config", str(work / "collector.yaml")], stdout=log, stderr=log,
+                                     stdin=subprocess.DEVNULL)
+        procs.append(collector)
+
+        def stop_all() -> None:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+
+        stack.callback(stop_all)
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{health_port}/", timeout=1.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Collector did not become healthy")
+            time.sleep(0.05)
+
+        splitter = SessionSplitter(SpanConverter(), 5 * _NS)
+        sent: dict[str, int] = {}
+        channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{collector_port}"))
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
+
+        def send(request: Any) -> None:
+            out = splitter.admit(request, time.time_ns())
+            if out:
+                stub.Export(trace_service_pb2.ExportTraceServiceRequest(resource_spans=out), timeout=10.0)
+
+        started = time.monotonic()
+        roots: list[tuple[float, Any]] = []
+        for n in range(args.runs):
+            due = started + n / args.rate
+            while roots and roots[0][0] <= time.monotonic():
+                send(roots.pop(0)[1])
+            time.sleep(max(0.0, due - time.monotonic()))
+            child, root = _run(n, time.time_ns())
+            sent[f"pay-{n}"] = time.time_ns()
+            send(child)
+            roots.append((time.monotonic() + _ROOT_DELAY_S, root))
+        for at, root in roots:
+            time.sleep(max(0.0, at - time.monotonic()))
+            send(root)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            found = {action for t in tailers for (rule, action) in t.seen if rule == "DS002"}
+            if len(found) >= args.runs:
+                break
+            time.sleep(0.1)
+        for tailer in tailers:
+            tailer.stop()
+        latencies = sorted((t.seen[("DS002", a)] - sent[a]) / 1e6 for t in tailers for (r, a) in t.seen
+                           if r == "DS002" and a in sent)
+        per_evaluator = [sum(1 for (r, _) in t.seen if r == "DS002") for t in tailers]
+        print(f"runs {args.runs} at {args.rate:g}/s, evaluators {args.evaluators}, findings {len(latencies)} "
+              f"(per evaluator {per_evaluator})")
+        if latencies:
+            p90 = latencies[max(0, int(0.9 * len(latencies)) - 1)]
+            print(f"send to finding: median {statistics.median(latencies):.0f} ms, p90 {p90:.0f} ms "
+                  f"(root sent {_ROOT_DELAY_S * 1000:.0f} ms after its child)")
+        collector.terminate()
+        collector.wait(30)
+        for proc in procs[:-1]:
+            proc.terminate()
+            proc.wait(30)
+        return 0 if len(latencies) == args.runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Route: spans regrouped by the session they belong to, for a second hop that routes by session."""

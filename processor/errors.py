@@ -63,6 +63,8 @@ class ExpressionError(DurableCheckError):
         self.line = line
         self.col = col
         self.detail = message
+        # Further problems of the same expression, each with its own place.
+        self.more: list[ExpressionError] = []
         super().__init__(f"{line}:{col}: {message}")
 
 

@@ -82,7 +82,7 @@ def test_the_plugin_waivers_baseline_and_ci_recipes_run_as_written(pytester: pyt
     # The workflow's test step: the plugin fails no test here (the keyless charge is waived or listed).
     pytest_argv = shlex.split(runs[1])
     assert pytest_argv[0] == "pytest"
-    result = pytester.runpytest_subprocess("-p", "durable_check.pytest_plugin", "-p", "no:cacheprovider",
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider",
                                            *pytest_argv[1:], timeout=240)
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*test_legacy_checkout: [[]waived] DS002 * at session legacy-3 action o-1-charge:*"

@@ -446,9 +446,12 @@ def test_constant_deadline_and_message_types(tmp_path: Path) -> None:
 def test_record_fields_declare_fields_beyond_the_convention(tmp_path: Path) -> None:
     rule = RULE.format(id="ACME1", name="big-payment", condition="has(record.amount_gbp) && record.amount_gbp > 1000")
     undeclared = _write(tmp_path, "a.yaml", "version: 1\nrules:\n" + rule)
-    line, col = _column_of(undeclared.read_text(encoding="utf-8"), "amount_gbp")
+    text = undeclared.read_text(encoding="utf-8")
+    line, col = _column_of(text, "amount_gbp")
+    second = text.splitlines()[line - 1].index("amount_gbp", col) + 1  # both uses are told
     assert [str(p) for p in lint([undeclared])] == [
-        f"{undeclared}:{line}:{col}: rule ACME1 (big-payment): condition: 'record' has no field 'amount_gbp'"
+        f"{undeclared}:{line}:{col}: rule ACME1 (big-payment): condition: 'record' has no field 'amount_gbp'",
+        f"{undeclared}:{line}:{second}: rule ACME1 (big-payment): condition: 'record' has no field 'amount_gbp'",
     ]
     declared = _write(tmp_path, "b.yaml", "version: 1\nrecord_fields: [amount_gbp, kind, 9lives]\nrules:\n" + rule)
     assert [str(p) for p in lint([declared])] == [
@@ -467,3 +470,18 @@ def test_record_fields_declare_fields_beyond_the_convention(tmp_path: Path) -> N
     )
     verdicts = _run(load_rules([declared]), log, strict=False)
     assert [(v.rule, v.action_id) for v in verdicts] == [("ACME1", "a1")]
+
+
+def test_a_condition_reports_every_unknown_name_field_and_function(tmp_path: Path) -> None:
+    condition = 'record.kindd == "x" && nosuchfn(record.kind) && record.statuss == "ok" && nope'
+    path = _write(tmp_path, "r.yaml", "version: 1\nrules:\n" + RULE.format(id="X1", name="many", condition=condition))
+    problems = [str(p) for p in lint([path], include_shipped=False)]
+    column = 16  # where the condition's value starts on its line
+    assert problems == [
+        f"{path}:6:{column + condition.index('kindd')}: rule X1 (many): condition: 'record' has no field 'kindd'"
+        " (did you mean 'kind'?)",
+        f"{path}:6:{column + condition.index('nosuchfn')}: rule X1 (many): condition: unknown function 'nosuchfn'",
+        f"{path}:6:{column + condition.index('statuss')}: rule X1 (many): condition: 'record' has no field 'statuss'"
+        " (did you mean 'status'?)",
+        f"{path}:6:{column + condition.index('nope')}: rule X1 (many): condition: undeclared reference to 'nope'",
+    ]

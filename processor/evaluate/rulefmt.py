@@ -728,15 +728,16 @@ class _RuleBuilder:
         try:
             compiled = compile_expression(source, env)
         except ExpressionError as exc:
-            offset = base + _offset_of(source, exc.line, exc.col)
-            detail = exc.detail
-            if env is not self.envs.with_first and "reference to 'first'" in detail:
-                detail = "first is only known in then and message of sequence and absence rules"
-            missing_list = _MISSING_LIST.match(detail)
-            if missing_list is not None:
-                declared = ", ".join(sorted(self.lists)) or "none"
-                detail = f"list {missing_list.group(1)} is not declared (declared lists: {declared})"
-            ctx.error(ctx.expression_error_pos(node, offset), f"{what}: {detail}")
+            for problem in (exc, *exc.more):
+                offset = base + _offset_of(source, problem.line, problem.col)
+                detail = problem.detail
+                if env is not self.envs.with_first and "reference to 'first'" in detail:
+                    detail = "first is only known in then and message of sequence and absence rules"
+                missing_list = _MISSING_LIST.match(detail)
+                if missing_list is not None:
+                    declared = ", ".join(sorted(self.lists)) or "none"
+                    detail = f"list {missing_list.group(1)} is not declared (declared lists: {declared})"
+                ctx.error(ctx.expression_error_pos(node, offset), f"{what}: {detail}")
             return None
         if what in _BOOLEAN_KEYS and compiled.result_type not in ("bool", "dyn"):
             ctx.error(

@@ -76,6 +76,13 @@ class Checker:
         self.env = env
         self.scope: list[str] = []
         self.result = CheckResult()
+        # Unknown names, fields and functions: each is told, and checking goes on with a dyn in
+        # its place, so one pass reports every one of them (other problems stop at the first).
+        self.errors: list[ExpressionError] = []
+
+    def unknown(self, offset: int, message: str) -> str:
+        self.errors.append(self.error(offset, message))
+        return "dyn"
 
     def error(self, offset: int, message: str) -> ExpressionError:
         return error_at(self.src, offset, message)
@@ -151,14 +158,14 @@ class Checker:
         declared = self.env.variables.get(name)
         if declared is None:
             known = [*self.env.variables, *self.env.constants, *self.scope]
-            raise self.error(node.pos, f"undeclared reference to '{name}'{suggestion(name, known)}")
+            return self.unknown(node.pos, f"undeclared reference to '{name}'{suggestion(name, known)}")
         self.result.references.add((name, WHOLE_VALUE))
         return declared
 
     def check_field_name(self, variable: str, field: str, offset: int) -> None:
         fields = self.env.known_fields.get(variable)
         if fields is not None and field not in fields:
-            raise self.error(offset, f"'{variable}' has no field '{field}'{suggestion(field, fields)}")
+            self.unknown(offset, f"'{variable}' has no field '{field}'{suggestion(field, fields)}")
 
     def check_select(self, node: Select, presence: bool) -> str:
         operand = node.operand
@@ -260,7 +267,9 @@ class Checker:
                 if builtin is not None:
                     raise self.error(node.pos, f"{name}() is a method: write value.{name}(...)")
                 known = [b.name for b in BUILTINS.values() if b.global_form] + [*self.env.functions, "has"]
-                raise self.error(node.pos, f"unknown function '{name}'{suggestion(name, known)}")
+                for arg in node.args:
+                    self.check(arg)
+                return self.unknown(node.pos, f"unknown function '{name}'{suggestion(name, known)}")
             args = node.args
             explicit_offset = 0
         else:
@@ -315,6 +324,19 @@ def _count(n: int) -> str:
 
 
 def check(source: str, node: Node, env: Environment) -> CheckResult:
+    """The checked expression; raises the first problem found, with the other unknown names,
+    fields and functions of the expression in its ``more``."""
     checker = Checker(source, env)
-    checker.check(node)
+    try:
+        checker.check(node)
+    except ExpressionError as exc:
+        if checker.errors:
+            first, *rest = checker.errors
+            first.more = [*rest, exc]
+            raise first from None
+        raise
+    if checker.errors:
+        first, *rest = checker.errors
+        first.more = rest
+        raise first
     return checker.result

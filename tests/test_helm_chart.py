@@ -509,6 +509,17 @@ def test_probes_follow_tls() -> None:
     mtls = workload(manifests(load_values(CHART / "ci/tls-values.yaml")))["spec"]["template"]["spec"]["containers"][0]
     assert mtls["readinessProbe"] == {**{k: v for k, v in plain["readinessProbe"].items() if k != "httpGet"},
                                       "tcpSocket": {"port": "otlp-http"}}
+    # With the view on, readiness is asked of the view's port (which a load balancer routes to).
+    view = {"ui": {"enabled": True}}
+    viewed = workload(manifests(view))["spec"]["template"]["spec"]["containers"][0]
+    assert viewed["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ui"}
+    viewed_tls = workload(manifests({**view, **tls}))["spec"]["template"]["spec"]["containers"][0]
+    assert viewed_tls["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ui", "scheme": "HTTPS"}
+    viewed_mtls = workload(manifests({"ui": {"enabled": True}, **load_values(CHART / "ci/tls-values.yaml")}))
+    # The view asks for no client certificate: an HTTPS probe works where the receivers' needs a tcpSocket.
+    assert viewed_mtls["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] == "ui"
+    unviewed = workload(manifests({"ui": {"enabled": True, "readiness": False}}))
+    assert unviewed["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] == "otlp-http"
 
 
 def test_config_change_rolls_the_pods() -> None:
@@ -821,6 +832,9 @@ def run_chart_configuration(values: dict[str, Any], workdir: Path, secret_env: d
             view = f"{scheme}://127.0.0.1:{ports[view_port]}/api/v1/violations"
             token = {"authorization": "Bearer view-token-for-the-chart"}
             assert client.get(view).status_code == 401
+            # The readiness probe the chart points at the view answers without the token.
+            ready = client.get(f"{scheme}://127.0.0.1:{ports[view_port]}/readyz")
+            assert (ready.status_code, ready.json()["status"]) == (200, "ready")
             rules = sorted(rule for rule, _, _ in expected)
             wait_until(lambda: sorted(v["rule"] for v in client.get(view, headers=token).json()["items"]) == rules,
                        timeout_s=20, interval_s=0.2, what=f"{rules} on the operator view")

@@ -80,6 +80,9 @@ def _text_arg(request: Request, name: str) -> str:
     return value
 
 
+_PROBE_PATHS: Final = frozenset({"/healthz", "/readyz"})
+
+
 def rules_json(rules: RuleSet) -> dict[str, dict[str, str]]:
     """Per rule: its name, severity and what to do about a finding, for span input and for action logs."""
     return {r.id: {"name": r.name, "severity": r.severity, "fix_spans": r.fix_for(True), "fix_logs": r.fix_for(False)}
@@ -95,7 +98,10 @@ def build_app(cfg: UiConfig, ctx: ViewContext) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if token and not bearer_token_ok(token, request.headers.get("authorization")):
+        # The probes carry no token (a kubelet cannot read one from a Secret); they tell only
+        # whether the process is alive and ready.
+        probe = request.url.path in _PROBE_PATHS and request.method in ("GET", "HEAD")
+        if token and not probe and not bearer_token_ok(token, request.headers.get("authorization")):
             response = Response(orjson.dumps({"error": "missing or wrong bearer token"}), 401, media_type=JSON,
                                 headers={"WWW-Authenticate": "Bearer"})
         elif request.method not in ("GET", "HEAD"):
@@ -152,6 +158,14 @@ def build_app(cfg: UiConfig, ctx: ViewContext) -> FastAPI:
     @app.get("/healthz")
     def healthz() -> Response:
         return Response(orjson.dumps({"status": "alive"}), 200, media_type=JSON)
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        # The process's readiness, on the view's port: a probe or a load balancer checking the
+        # port it routes to gets the receivers' answer.
+        ready, why = ctx.ready()
+        body = {"status": "ready"} if ready else {"status": "not ready", "reason": why}
+        return Response(orjson.dumps(body), 200 if ready else 503, media_type=JSON)
 
     @app.get("/api/v1/waiting")
     def api_waiting(request: Request) -> Response:

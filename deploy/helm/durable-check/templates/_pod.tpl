@@ -114,7 +114,18 @@ spec:
       {{- end }}
       {{- with .Values.readinessProbe }}
       readinessProbe:
+        {{- if and $.Values.ui.enabled $.Values.ui.readiness .httpGet }}
+        {{- /* The view answers readiness itself on its port (its TLS is the receivers', with no client certificates). */}}
+        {{- $probe := deepCopy . }}
+        {{- $_ := set $probe.httpGet "port" "ui" }}
+        {{- $_ := set $probe.httpGet "path" "/readyz" }}
+        {{- if $.Values.tls.enabled }}
+        {{- $_ := set $probe.httpGet "scheme" "HTTPS" }}
+        {{- end }}
+        {{- toYaml $probe | nindent 8 }}
+        {{- else }}
         {{- include "durable-check.probe" (dict "probe" . "root" $) | nindent 8 }}
+        {{- end }}
       {{- end }}
       {{- with .Values.startupProbe }}
       startupProbe:

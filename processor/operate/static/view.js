@@ -99,7 +99,8 @@
     const fixOf = (id) => ((rules[id] || {})[spans ? "fix_spans" : "fix_logs"]) || "";
     if (w.expired) return fixOf("DS107");
     if (w.deadline_ns === null || w.deadline_ns === undefined) return fixOf("DS106");
-    return `Nothing yet: it has ${span(w.time_left_s).replace(" left", "")} before its deadline. If it is stuck: ${fixOf("DS107")}`;
+    const stuck = fixOf("DS107");
+    return `Nothing yet: it has ${span(w.time_left_s).replace(" left", "")} before its deadline. If it is stuck, ${stuck.charAt(0).toLowerCase()}${stuck.slice(1)}`;
   }
 
   // A finding an operator's waiver or baseline accepts: shown, marked, with the reason on hover.

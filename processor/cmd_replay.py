@@ -219,10 +219,12 @@ def _run_replay(args: argparse.Namespace, *, config: Config | None, pipeline: Pi
 
 
 def load_exemptions(config: Config | None, waivers: str | None, baseline: str | None) -> Exemptions | None:
-    """The waivers (``--waivers``, else the configuration's ``evaluate.waivers``) and baseline a run honours."""
+    """The waivers (``--waivers``, else the configuration's ``evaluate.waivers``) and baseline (``--baseline``,
+    else ``evaluate.baseline``) a run honours."""
     from processor.waivers import Exemptions, load_baseline, load_waivers
 
     path = waivers or (config.evaluate.waivers if config is not None else "")
+    baseline = baseline or (config.evaluate.baseline if config is not None else "") or None
     if not path and not baseline:
         return None
     return Exemptions(load_waivers(path) if path else None, load_baseline(baseline) if baseline else None,

@@ -198,11 +198,16 @@ class EvaluateConfig:
     flush_window_on_stop: bool = False
     # The operator's waiver file (processor.waivers): findings it names are reported as waived.
     waivers: str = ""
+    # A baseline (replay --write-baseline): the findings it holds are accepted as known, as
+    # many times each as it counted; only new ones count as findings.
+    baseline: str = ""
 
     def validate(self, path: str) -> list[Problem]:
         problems: list[Problem] = []
         if self.waivers and not os.path.isfile(self.waivers):
             problems.append(Problem(f"{path}.waivers", f"no such file: {self.waivers}"))
+        if self.baseline and not os.path.isfile(self.baseline):
+            problems.append(Problem(f"{path}.baseline", f"no such file: {self.baseline}"))
         if self.max_stall < 1:
             problems.append(Problem(f"{path}.max_stall", "must be at least 1s"))
         for index, rule_path in enumerate(self.rules):

@@ -105,11 +105,12 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
         max_sessions=config.evaluate.max_sessions,
     ), telemetry)
     pipeline = Pipeline(engine, build_exporters(config.exporters, telemetry), telemetry, engine_factory, caps)
-    if config.evaluate.waivers:
-        from processor.waivers import Exemptions, load_waivers
+    if config.evaluate.waivers or config.evaluate.baseline:
+        from processor.cmd_replay import load_exemptions
 
-        # Read once at start: the waiver file is the operator's, changed with a restart like the rules.
-        pipeline.exemptions = Exemptions(load_waivers(config.evaluate.waivers))
+        # Read once at start: the waiver file and the baseline are the operator's, changed with a
+        # restart like the rules. A baseline entry accepts as many findings as it counted.
+        pipeline.exemptions = load_exemptions(config, None, None)
     return pipeline
 
 

@@ -280,3 +280,38 @@ def test_a_waiver_that_expires_while_serve_runs_stops_waiving_that_day(tmp_path:
         assert exemptions.apply([make_violation(2)]) == 0
     assert f"waiver at {waivers}:2:5 for DS002 expired on 2027-03-31" in caplog.text
     assert [w.where for w in exemptions.expired] == [f"{waivers}:2:5"]
+
+
+def test_serve_honours_a_configured_baseline(tmp_path: Path) -> None:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from processor.violations import Violation
+    from processor.waivers import write_baseline
+    from tests.serve_support import emit_durable_spans
+
+    def run(directory: Path, evaluate: dict[str, str], sessions: list[str]) -> list[dict[str, Any]]:
+        directory.mkdir()
+        with running(serve_config(directory, {"evaluate": evaluate})) as server:
+            provider = TracerProvider()
+            provider.add_span_processor(SimpleSpanProcessor(
+                OTLPSpanExporter(endpoint=f"http://127.0.0.1:{server.http_port}/v1/traces", timeout=10)))
+            for session in sessions:
+                emit_durable_spans(provider, session)
+            provider.shutdown()
+            assert wait_for(lambda: len(read_jsonl(directory / "violations.jsonl")) >= 3 * len(sessions), 20)
+        return read_jsonl(directory / "violations.jsonl")
+
+    # Today's findings, written as a baseline the way replay writes one.
+    today = run(tmp_path / "today", {}, ["shop-1"])
+    baseline = tmp_path / "baseline.json"
+    write_baseline(str(baseline), [Violation(v["rule"], v["name"], v["severity"], v["session_id"], v["action_id"],
+                                             v["message"], v["violation_id"], kind=v.get("kind", ""))
+                                   for v in today])
+    # A later serve with it: the same findings are known, a new session's are not.
+    later = run(tmp_path / "later", {"baseline": str(baseline)}, ["shop-1", "shop-2"])
+    waived = {(v["session_id"], v["rule"]) for v in later if v.get("details", {}).get("waived")}
+    fresh = {(v["session_id"], v["rule"]) for v in later if not v.get("details", {}).get("waived")}
+    assert waived == {(v["session_id"], v["rule"]) for v in today}
+    assert fresh and {session for session, _ in fresh} == {"shop-2"}

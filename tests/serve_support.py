@@ -95,7 +95,9 @@ def keys_of(documents: Sequence[Mapping[str, Any]]) -> set[Key]:
 
 
 def replay_keys(requests: Sequence[Any], config: Config) -> set[Key]:
-    """What replay finds on the same requests: the same converter and a fresh engine in replay mode."""
+    """What replay finds on the same requests, in this order: the same converter, every converted item
+    (session marks included, so that the identity stage resolves sessions as replay's does), a fresh
+    engine in replay mode."""
     ev = config.evaluate
     engine = Engine(
         load_rules(ev.rules, include_shipped=ev.include_shipped_rules),
@@ -114,7 +116,7 @@ def replay_keys(requests: Sequence[Any], config: Config) -> set[Key]:
     for request in requests:
         result = converter.convert(request, "replay", seq)
         seq += len(result.actions)
-        found.extend(pipeline.process([*result.actions, *result.rejected]))
+        found.extend(pipeline.process(result.items))
     found.extend(pipeline.finish())
     return {(v.rule, v.session_id, v.action_id) for v in found}
 

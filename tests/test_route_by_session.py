@@ -34,15 +34,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 
-from processor.config import Config
 from processor.convert.spans import SpanConverter
-from processor.evaluate.engine import Engine, EngineOptions
-from processor.evaluate.rulefmt import load_rules
-from processor.pipeline import Pipeline
 from processor.route.by_session import ROUTING_ATTRIBUTE, SessionSplitter
 from tests.collector_support import REPO, Collector, build_collector
 from tests.durable_support import ServeProcess, serve_settings, session_steps, write_config
-from tests.serve_support import Key, keys_of, read_jsonl, serve_config
+from tests.serve_support import Key, keys_of, read_jsonl, replay_keys, serve_config
 from tests.servers import free_port, wait_until
 
 _MS = 1_000_000
@@ -161,26 +157,6 @@ def split_over(requests: Sequence[Any], evaluators: int) -> list[list[Any]]:
     for resource_spans in through_splitter(requests):
         send(resource_spans)
     return routed
-
-
-def replay_keys(requests: Sequence[Any], config: Config) -> set[Key]:
-    """What ``replay`` finds on these requests, in this order: every converted item (session marks
-    included, so that the identity stage resolves sessions as it does in replay), a fresh engine."""
-    ev = config.evaluate
-    engine = Engine(
-        load_rules(ev.rules, include_shipped=ev.include_shipped_rules),
-        EngineOptions(allowed_lateness_s=float(ev.allowed_lateness), mode="replay"),
-    )
-    pipeline = Pipeline(engine, [], None)
-    converter = SpanConverter(config.convert)
-    found = []
-    seq = 0
-    for request in requests:
-        result = converter.convert(request, "replay", seq)
-        seq += len(result.actions)
-        found.extend(pipeline.process(result.items))
-    found.extend(pipeline.finish())
-    return {(v.rule, v.session_id, v.action_id) for v in found}
 
 
 def spans_in(requests: Sequence[Any]) -> int:

@@ -116,8 +116,8 @@ def test_a_repeated_id_in_a_log_is_a_duplicate_whatever_its_session(
     assert code == 1
     assert _verdicts(report) == [(2, "DS009"), (3, "DS009"), (4, "DS000"), (5, "DS009"), (6, "DS000"), (7, "DS000")]
     messages = [v["message"] for v in report["violations"] if v["rule"] == "DS009"]
-    assert messages[0].startswith("action_id a1 is used again (first as tool_call, now as clock)")
-    assert messages[2].startswith("action_id a2 is used again (first on a malformed line, now as tool_call)")
+    assert messages[0].startswith("action id a1 is used again (first as tool_call, now as clock)")
+    assert messages[2].startswith("action id a2 is used again (first on a malformed line, now as tool_call)")
 
 
 def test_a_repeat_counts_within_one_file_not_across_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

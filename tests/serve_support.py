@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -201,9 +202,16 @@ class Flood:
 
 def flood(
     config: Config, protocol: Literal["grpc", "http"], *, senders: int, batches: int, per_batch: int, sessions: int,
+    stall_until_refused: bool = False,
 ) -> Flood:
     """``senders`` real OTLP exporters at once, each sending ``batches`` batches of ``per_batch`` write
-    spans spread over ``sessions`` sessions, to a server started with ``config``."""
+    spans spread over ``sessions`` sessions, to a server started with ``config``.
+
+    ``stall_until_refused``: the evaluator is held up until the receiver has refused a request, so the
+    queue overflows on any machine rather than only on one slower than the evaluator. ``config`` must keep
+    its state in SQLite (with a ``busy_timeout`` longer than the stall): the flood takes that database's
+    write lock, which the evaluator needs to journal what it takes, and lets go once a refusal is counted.
+    """
     memory = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(memory))
@@ -217,6 +225,12 @@ def flood(
     spans = list(memory.get_finished_spans())
     chunks = [spans[i:i + per_batch] for i in range(0, len(spans), per_batch)]
     with running(config) as server:
+        def refused_so_far() -> float:
+            value = server.telemetry.registry.get_sample_value(
+                "durable_check_spans_rejected_total", {"protocol": protocol, "reason": "queue_full"}
+            )
+            return value or 0.0
+
         def send(part: list[list[ReadableSpan]]) -> list[SpanExportResult]:
             exporter: SpanExporter
             if protocol == "grpc":
@@ -228,13 +242,22 @@ def flood(
             finally:
                 exporter.shutdown()
 
-        with concurrent.futures.ThreadPoolExecutor(senders) as pool:
-            results = list(pool.map(send, [chunks[i::senders] for i in range(senders)]))
-        refused = server.telemetry.registry.get_sample_value(
-            "durable_check_spans_rejected_total", {"protocol": protocol, "reason": "queue_full"}
-        )
+        with contextlib.ExitStack() as stall:
+            if stall_until_refused:
+                assert config.state.backend == "sqlite", "stall_until_refused holds the SQLite state's write lock"
+                holder = sqlite3.connect(config.state.path, isolation_level=None, timeout=10)
+                stall.callback(holder.close)
+                holder.execute("BEGIN IMMEDIATE")
+                stall.callback(holder.execute, "ROLLBACK")
+            with concurrent.futures.ThreadPoolExecutor(senders) as pool:
+                pending = pool.map(send, [chunks[i::senders] for i in range(senders)])
+                if stall_until_refused:
+                    wait_for(lambda: refused_so_far() > 0, timeout_s=20.0)
+                    stall.close()
+                results = list(pending)
+        refused = refused_so_far()
         processed = server.worker.processed_spans
-    return Flood(len(spans), [r for part in results for r in part], processed, refused or 0.0)
+    return Flood(len(spans), [r for part in results for r in part], processed, refused)
 
 
 def spans_of(request: Any) -> list[Any]:

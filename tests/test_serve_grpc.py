@@ -67,8 +67,11 @@ def test_sdk_grpc_exporter_agent_run_finds_what_replay_finds(tmp_path: Path) -> 
 
 
 def test_flood_beyond_the_queue_is_delayed_not_lost(tmp_path: Path) -> None:
-    config = serve_config(tmp_path, {"queue": {"max_requests": 2, "max_spans": 400, "retry_after": "200ms"}})
-    outcome = flood(config, "grpc", senders=8, batches=6, per_batch=100, sessions=50)
+    config = serve_config(tmp_path, {
+        "queue": {"max_requests": 2, "max_spans": 400, "retry_after": "200ms"},
+        "state": {"backend": "sqlite", "path": str(tmp_path / "state.db"), "busy_timeout": "60s"},
+    })
+    outcome = flood(config, "grpc", senders=8, batches=6, per_batch=100, sessions=50, stall_until_refused=True)
     assert all(r == SpanExportResult.SUCCESS for r in outcome.results)
     assert outcome.processed == outcome.sent
     # The queue did overflow: the exporters' retries are what carried those spans through.

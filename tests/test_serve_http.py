@@ -167,8 +167,11 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(tmp_path: Path) 
 
 
 def test_sdk_http_exporter_retries_through_a_full_queue(tmp_path: Path) -> None:
-    config = serve_config(tmp_path, {"queue": {"max_requests": 1, "max_spans": 100, "retry_after": "100ms"}})
-    outcome = flood(config, "http", senders=6, batches=3, per_batch=100, sessions=20)
+    config = serve_config(tmp_path, {
+        "queue": {"max_requests": 1, "max_spans": 100, "retry_after": "100ms"},
+        "state": {"backend": "sqlite", "path": str(tmp_path / "state.db"), "busy_timeout": "60s"},
+    })
+    outcome = flood(config, "http", senders=6, batches=3, per_batch=100, sessions=20, stall_until_refused=True)
     assert all(r == SpanExportResult.SUCCESS for r in outcome.results)
     assert outcome.processed == outcome.sent
     assert outcome.refused > 0

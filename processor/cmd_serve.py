@@ -21,7 +21,9 @@ def register(subparsers: Any) -> None:
             "Receive spans over OTLP (gRPC and HTTP), check them as they arrive, and export violations. "
             "Without --config, listens on 127.0.0.1:4317 (gRPC) and 127.0.0.1:4318 (HTTP), writes "
             "violations to ./durable-check-data/violations.jsonl, and serves the operator view (what waits, "
-            "violations, each session's story) on http://127.0.0.1:4319 (ui.endpoint; docs/operate.md)."
+            "violations, each session's story) on http://127.0.0.1:4319 (ui.endpoint; docs/operate.md). "
+            "With route.endpoint set it is the first tier of a two-tier deployment instead: it gives each span "
+            "its session and sends it on, evaluating nothing (docs/scaling.md)."
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="configuration file (YAML); default: built-in defaults")
@@ -76,13 +78,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(config: Config) -> int:
-    from processor.serve import Server, build_pipeline, build_store, serve_until_signalled
+    from processor.serve import Server, Serving, build_pipeline, build_store, serve_until_signalled
+    from processor.state.sqlite import SqliteStore
     from processor.telemetry import Telemetry
 
     telemetry = Telemetry()
     store = build_store(config)  # StateError (locked, corrupt, unwritable): a message, exit 2
-    pipeline = build_pipeline(config, telemetry, store)
-    server = Server(config, pipeline, telemetry, store)
+    server: Serving
+    if config.route.enabled:
+        from processor.route.first_tier import RouteServer
+
+        assert isinstance(store, SqliteStore)  # route_problems requires state.backend sqlite
+        server = RouteServer(config, telemetry, store)
+    else:
+        server = Server(config, build_pipeline(config, telemetry, store), telemetry, store)
     import asyncio  # here: replay and the rules commands never need it
 
     from processor.gc_pauses import settle_for_serving

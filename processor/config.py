@@ -358,6 +358,73 @@ class ForwardConfig:
 
 
 @dataclass(slots=True)
+class RouteConfig:
+    """First-tier mode: resolve each span's session and send it on, evaluating nothing (docs/scaling.md).
+
+    With ``endpoint`` set, serve receives whole traces (a Collector routes it by trace id),
+    gives each span the session the checker's identity stage would, and sends the spans to
+    ``endpoint`` (a Collector routing by session) with ``durable.session.id`` on their
+    resource. What it acknowledged is journaled in SQLite (``state.path``) until the
+    downstream has taken it: nothing is dropped, and sending is retried with capped backoff
+    for as long as the downstream refuses (the journal's bound, ``state.journal_max_size``,
+    then turns new requests away with "retry later").
+    """
+
+    endpoint: str = ""
+    protocol: Literal["grpc", "http"] = "grpc"
+    # Plaintext gRPC (no TLS). For HTTP the URL scheme decides.
+    insecure: bool = False
+    ca_file: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout: Duration = _10S
+    max_batch_spans: int = 2048
+    initial_backoff: Duration = _500MS
+    max_backoff: Duration = _30S
+    # How often what was sent is recorded as done (the journal trimmed, the sessions' state saved).
+    # A crash re-sends at most this much; the evaluators take a span sent twice once.
+    checkpoint_interval: Duration = _1S
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+    def downstream(self) -> ForwardConfig:
+        """The connection settings, in the form the OTLP senders take."""
+        return ForwardConfig(endpoint=self.endpoint, protocol=self.protocol, insecure=self.insecure,
+                             ca_file=self.ca_file, headers=dict(self.headers), max_batch_spans=self.max_batch_spans,
+                             max_buffer_spans=max(self.max_batch_spans, 1), initial_backoff=self.initial_backoff,
+                             max_backoff=self.max_backoff, timeout=self.timeout)
+
+    def validate(self, path: str) -> list[Problem]:
+        problems = self.downstream().validate(path) if self.endpoint else []
+        if self.checkpoint_interval <= 0:
+            problems.append(Problem(f"{path}.checkpoint_interval", "must be more than 0"))
+        return problems
+
+
+def route_problems(config: Config) -> list[Problem]:
+    """What the first-tier mode cannot do with the rest of the configuration."""
+    if not config.route.enabled:
+        return []
+    problems: list[Problem] = []
+    if config.state.backend != "sqlite":
+        problems.append(Problem("state.backend", "route.endpoint (first-tier mode) journals in SQLite: set 'sqlite'"))
+    if config.forward.enabled:
+        problems.append(Problem("forward.endpoint", "not with route.endpoint: the first tier sends every span on"))
+    if config.ui.endpoint:
+        problems.append(Problem("ui.endpoint", "not with route.endpoint: the first tier evaluates nothing to show; "
+                                               "the evaluators behind it serve the view"))
+    exporters = config.exporters
+    for where, value in (("exporters.jsonl.path", exporters.jsonl.path), ("exporters.otlp.endpoint",
+                         exporters.otlp.endpoint), ("exporters.alertmanager.url", exporters.alertmanager.url),
+                         ("exporters.webhook.url", exporters.webhook.url)):
+        if value:
+            problems.append(Problem(where, "not with route.endpoint: the first tier finds no violations "
+                                           "(its metrics: exporters.prometheus, exporters.otlp_metrics)"))
+    return problems
+
+
+@dataclass(slots=True)
 class UiConfig:
     """The read-only operator view (docs/operate.md). An empty ``endpoint`` turns it off.
 
@@ -408,6 +475,7 @@ class Config:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     state: StateConfig = field(default_factory=StateConfig)
     forward: ForwardConfig = field(default_factory=ForwardConfig)
+    route: RouteConfig = field(default_factory=RouteConfig)
     exporters: ExportersConfig = field(default_factory=ExportersConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     ui: UiConfig = field(default_factory=UiConfig)
@@ -479,6 +547,7 @@ def parse_config(
     config = decode(Config, raw, "", problems)
     config.convert = _decode_convert(convert_raw, problems)
     if sections is None:
+        problems.extend(route_problems(config))
         problems.extend(check_paths(config))
     if problems:
         raise ConfigError(placed(problems, key_places(text, where)), f"invalid configuration in {where}:")

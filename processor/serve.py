@@ -28,20 +28,18 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Final
+from typing import Final, Generic, Protocol, TypeVar
 
 from processor.config import Config
 from processor.convert.spans import SpanConverter
-from processor.embedded_http import EmbeddedHttpServer, quiet_accept_errors
-from processor.listener_config import AuthConfig, TLSConfig
+from processor.embedded_http import quiet_accept_errors
 from processor.open_files import soft_limit
 from processor.operate.server import UiServer, attach_views
 from processor.operate.wait_gauges import WaitGauges
 from processor.pipeline import Pipeline
 from processor.receive.budget import ByteBudget
 from processor.receive.forward import AnnotatingHold, Forwarder, forward_headers_for_log, redact_endpoint
-from processor.receive.otlp_grpc import OTLPGrpcReceiver
-from processor.receive.otlp_http import build_app
+from processor.receive.intake import RECEIVER_GRACE_S, OtlpIntake, describe_protection, with_port
 from processor.receive.queue import IngestQueue
 from processor.state.base import StateStore
 from processor.telemetry import Telemetry
@@ -51,8 +49,6 @@ from processor.worker import EvaluatorWorker, WorkerOptions
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S: Final = 30.0
-# How long receivers wait for calls still open once the queue is drained (those are only being refused).
-_RECEIVER_GRACE_S: Final = 3.0
 
 
 def build_store(config: Config) -> StateStore | None:
@@ -114,17 +110,6 @@ def build_pipeline(config: Config, telemetry: Telemetry, store: StateStore | Non
     return pipeline
 
 
-def describe_protection(tls: TLSConfig, auth: AuthConfig) -> str:
-    """What guards a listener, for the start-up log: an operator sees at once that auth is off."""
-    if not tls.enabled:
-        transport = "TLS off"
-    elif tls.client_ca_file:
-        transport = "TLS on, client certificates required"
-    else:
-        transport = "TLS on"
-    return f"{transport}, bearer-token auth {'on' if auth.bearer_token else 'off'}"
-
-
 class Server:
     """Receivers, queue, worker and forwarder of one serve process."""
 
@@ -138,8 +123,6 @@ class Server:
         telemetry.open_files_limit.set(soft_limit())
         q = config.queue
         self.queue = IngestQueue(q.max_requests, q.max_spans, float(q.retry_after), telemetry)
-        # Request bytes both receivers hold at once (processor.receive.budget).
-        self.budget = ByteBudget(int(config.receivers.otlp.max_bytes_in_flight))
         self.forwarder = Forwarder(config.forward, telemetry) if config.forward.enabled else None
         hold = None
         if self.forwarder is not None:
@@ -168,12 +151,22 @@ class Server:
             self.ui = UiServer(config, views, pipeline.engine.ruleset, telemetry, self.ready)
         self._started = False
         self._draining = False
-        self._grpc: OTLPGrpcReceiver | None = None
-        self._http: EmbeddedHttpServer | None = None
-        self.grpc_port = 0
-        self.http_port = 0
+        self.intake = OtlpIntake(config.receivers.otlp, self.queue, telemetry, accepting=self.accepting,
+                                 ready=self.ready, alive=self.worker.alive)
         # The loop the receivers run in (set by start); other threads schedule onto it.
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def grpc_port(self) -> int:
+        return self.intake.grpc_port
+
+    @property
+    def http_port(self) -> int:
+        return self.intake.http_port
+
+    @property
+    def budget(self) -> ByteBudget:
+        return self.intake.budget
 
     def accepting(self) -> bool:
         return self._started and not self._draining
@@ -196,23 +189,13 @@ class Server:
         if self.forwarder is not None:
             self.forwarder.start()
         self.worker.start()
-        receivers = self.config.receivers.otlp
-        if receivers.grpc.endpoint:
-            self._grpc = OTLPGrpcReceiver(receivers.grpc, self.queue, self.telemetry, self.accepting,
-                                          max_spans_per_request=receivers.max_spans_per_request, budget=self.budget)
-            self.grpc_port = await self._grpc.start()
-            logger.info("OTLP/gRPC receiver listening on %s", _with_port(receivers.grpc.endpoint, self.grpc_port))
-            logger.info("OTLP/gRPC receiver: %s", describe_protection(receivers.grpc.tls, receivers.grpc.auth))
-        if receivers.http.endpoint:
-            await self._start_http()
-            logger.info("OTLP/HTTP receiver listening on %s", _with_port(receivers.http.endpoint, self.http_port))
-            logger.info("OTLP/HTTP receiver: %s", describe_protection(receivers.http.tls, receivers.http.auth))
+        await self.intake.start()
         if self.ui is not None:
             await self.ui.start()
             logger.info("operator view on %s://%s", "https" if self.config.ui.tls.enabled else "http",
-                        _with_port(self.config.ui.endpoint, self.ui.port))
+                        with_port(self.config.ui.endpoint, self.ui.port))
             logger.info("operator view: %s", describe_protection(self.config.ui.tls, self.config.ui.auth))
-        for line in _where_to_look(self.config, self.http_port, self.grpc_port):
+        for line in _where_to_look(self.config, self.intake.http_port, self.intake.grpc_port):
             logger.info("%s", line)
         if self.forwarder is not None:
             fwd = self.config.forward
@@ -220,24 +203,12 @@ class Server:
                         redact_endpoint(fwd.endpoint), fwd.protocol, forward_headers_for_log(fwd.headers))
         self._started = True
 
-    async def _start_http(self) -> None:
-        cfg = self.config.receivers.otlp.http
-        app = build_app(cfg, self.queue, self.telemetry, self.accepting, self.ready,
-                        max_spans_per_request=self.config.receivers.otlp.max_spans_per_request, budget=self.budget,
-                        alive=self.worker.alive)
-        self._http = EmbeddedHttpServer(app, cfg.endpoint, cfg.tls, what="the HTTP receiver",
-                                        where="receivers.otlp.http.endpoint", backlog=1024,
-                                        graceful_s=_RECEIVER_GRACE_S, connections=cfg.connections)
-        self.http_port = self._http.port
-        await self._http.start()
-
     async def begin_drain(self) -> None:
         """Stop accepting: readiness and gRPC health turn NOT_SERVING; new requests are told to retry."""
         if self._draining:
             return
         self._draining = True
-        if self._grpc is not None:
-            await self._grpc.set_draining()
+        await self.intake.set_draining()
         self.queue.close()
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -249,15 +220,9 @@ class Server:
         if not drained:
             logger.error("the evaluator did not finish draining in time")
         logger.debug("shutdown: queue drained")
-        if self._grpc is not None:
-            await self._grpc.stop(max(0.5, min(_RECEIVER_GRACE_S, deadline - time.monotonic())))
-        if self._http is not None:
-            # Every accepted request has its answer by now; a connection still open is idle or
-            # being refused, and must not hold the exit for uvicorn's default 30 s.
-            grace = max(1.0, min(_RECEIVER_GRACE_S, deadline - time.monotonic()))
-            await self._http.stop(deadline - time.monotonic(), graceful_s=grace)
+        await self.intake.stop(deadline)
         if self.ui is not None:
-            await self.ui.stop(max(1.0, min(_RECEIVER_GRACE_S, deadline - time.monotonic())))
+            await self.ui.stop(max(1.0, min(RECEIVER_GRACE_S, deadline - time.monotonic())))
         else:
             self.views.close()  # the gauges' reader; the view's server closes it when there is one
         logger.debug("shutdown: receivers stopped")
@@ -272,10 +237,6 @@ class Server:
             # Only once the worker is done with it: it is the store's single user.
             self.store.close()
         logger.debug("shutdown: done")
-
-
-def _with_port(endpoint: str, port: int) -> str:
-    return f"{endpoint.rpartition(':')[0]}:{port}"
 
 
 # Listening on every interface; never bound here, only named in a start-up line.
@@ -305,7 +266,15 @@ def _where_to_look(config: Config, http_port: int, grpc_port: int) -> list[str]:
     return lines
 
 
-async def serve_until_signalled(server: Server, shutdown_timeout_s: float = 30.0) -> None:
+class Serving(Protocol):
+    """A process's servers: the evaluator (Server) or the first tier (processor.route.first_tier)."""
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None: ...
+
+
+async def serve_until_signalled(server: Serving, shutdown_timeout_s: float = 30.0) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -321,15 +290,18 @@ async def serve_until_signalled(server: Server, shutdown_timeout_s: float = 30.0
         await server.shutdown(shutdown_timeout_s)
 
 
-class ServerThread:
+S = TypeVar("S", bound=Serving)
+
+
+class ServerThread(Generic[S]):
     """A Server on its own loop in a background thread (tests, benchmarks, embedding)."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: S) -> None:
         self.server = server
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="durable-check-serve", daemon=True)
 
-    def start(self) -> Server:
+    def start(self) -> S:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(_STARTUP_TIMEOUT_S)
         return self.server
@@ -343,7 +315,7 @@ class ServerThread:
             self._thread.join(5.0)
             self._loop.close()
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> S:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -105,6 +105,17 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("state_failures", "durable_check_state_failures", "counter",
                "Failed state store operations, by kind (locked, full, corrupt, read_only, connection, other).",
                ("kind",)),
+    # The first tier (route.endpoint): spans regrouped by session and sent on.
+    MetricSpec("route_sent", "durable_check_route_sent_spans", "counter",
+               "Spans the first tier sent on with their session on the resource (a span re-sent after a "
+               "restart counts again)."),
+    MetricSpec("route_held", "durable_check_route_held_spans", "gauge",
+               "Spans the first tier holds until their trace names their session (at most allowed_lateness)."),
+    MetricSpec("route_send_failures", "durable_check_route_send_failures", "counter",
+               "Attempts to send spans on that failed and are retried (the downstream unavailable or busy)."),
+    MetricSpec("route_refused", "durable_check_route_refused_spans", "counter",
+               "Spans the downstream refused for good (not retryable, e.g. a malformed request): logged as a "
+               "count, dropped."),
     MetricSpec("requests_set_aside", "durable_check_requests_set_aside", "counter",
                "Accepted requests set aside so that the evaluator goes on: evaluation_failed (an error evaluating "
                "it), commit_failed (its state cannot be stored), crashed_evaluating (the process stopped or was "
@@ -148,6 +159,10 @@ class Telemetry:
     exporter_last_success: Gauge
     forward_dropped: Counter
     journal_depth: Gauge
+    route_sent: Counter
+    route_held: Gauge
+    route_send_failures: Counter
+    route_refused: Counter
     journal_bytes: Gauge
     outbox_pending: Gauge
     sessions_not_restored: Counter

@@ -583,7 +583,8 @@ def _loadbalancing_exporters(text: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("source", ["config/otel-collector.yaml", "config/otel-collector-by-session.yaml",
-                                    "docs/scaling.md", "docs/deploy.md", "NOTES.txt"])
+                                    "config/otel-collector-two-tier.yaml", "docs/scaling.md", "docs/deploy.md",
+                                    "NOTES.txt"])
 def test_collector_snippets_queue_and_retry_on_the_exporter_itself(source: str) -> None:
     """sending_queue and retry_on_failure under protocol.otlp are not what the exporter uses."""
     if source == "NOTES.txt":

@@ -25,112 +25,24 @@ import grpc
 import orjson
 import pytest
 import yaml
-from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from processor.convert.spans import SpanConverter
 from processor.route.by_session import ROUTING_ATTRIBUTE, SessionSplitter
 from tests.collector_support import REPO, Collector, build_collector
-from tests.durable_support import ServeProcess, serve_settings, session_steps, write_config
+from tests.durable_support import ServeProcess, serve_settings, write_config
+from tests.route_support import NS as _NS
+from tests.route_support import interleaved, later_span, requests_of, session_of, session_traces, spans_in
 from tests.serve_support import Key, keys_of, read_jsonl, replay_keys, serve_config
 from tests.servers import free_port, wait_until
 
-_MS = 1_000_000
-_NS = 1_000_000_000
-T0 = 1_780_000_000 * _NS
 LATENESS_NS = 2 * _NS
 BY_SESSION_CONFIG = REPO / "config" / "otel-collector-by-session.yaml"
 BY_SESSION = "loadbalancing/by-session"
-
-
-class _SeededIds(IdGenerator):
-    def __init__(self, seed: int) -> None:
-        self._rng = random.Random(seed)
-
-    def generate_span_id(self) -> int:
-        return self._rng.getrandbits(64) | 1
-
-    def generate_trace_id(self) -> int:
-        return self._rng.getrandbits(128) | 1
-
-
-def session_traces(
-    seed: int, sessions: int, traces: int, steps: int, start_ns: int = T0
-) -> list[list[ReadableSpan]]:
-    """Every session's traces, each as the SDK ends it: its children (naming no session) before its root.
-
-    The root names the session with ``gen_ai.conversation.id`` or ``durable.session.id`` (the
-    rng picks); a session's turns follow one another 300 ms apart, sessions start 5 ms apart.
-    """
-    rng = random.Random(seed)
-    out: list[list[ReadableSpan]] = []
-    for s in range(sessions):
-        session = f"route-{seed}-{s:02d}"
-        memory = InMemorySpanExporter()
-        provider = TracerProvider(resource=Resource.create({"service.name": "route-test-agent"}),
-                                  id_generator=_SeededIds(seed * 1000 + s))
-        provider.add_span_processor(SimpleSpanProcessor(memory))
-        tracer = provider.get_tracer("durable-check-tests")
-        steps_of_session = session_steps(rng, session, traces * steps)
-        for k in range(traces):
-            t0 = start_ns + k * 300 * _MS + s * 5 * _MS
-            key = "gen_ai.conversation.id" if rng.random() < 0.5 else "durable.session.id"
-            root = tracer.start_span(f"turn {k}", start_time=t0, attributes={key: session})
-            context = trace.set_span_in_context(root)
-            for n in range(steps):
-                begin = t0 + (n + 1) * 40 * _MS
-                child = tracer.start_span(f"step {k}.{n}", context=context, start_time=begin,
-                                          attributes=steps_of_session[k * steps + n].attributes)
-                child.end(end_time=begin + 10 * _MS)
-            root.end(end_time=t0 + (steps + 1) * 40 * _MS)
-            out.append(list(memory.get_finished_spans()))
-            memory.clear()
-        provider.shutdown()
-    return out
-
-
-def interleaved(rng: random.Random, traces: Sequence[Sequence[ReadableSpan]]) -> list[ReadableSpan]:
-    """The traces' spans merged in a random interleaving, each trace's own order kept (children, then root).
-
-    Traces are taken in a window of a few at a time, in the order their turns start, so
-    event time moves on about as it would from live agents.
-    """
-    order = sorted(range(len(traces)), key=lambda i: traces[i][-1].start_time or 0)
-    cursors = {i: 0 for i in order}
-    pending = list(order)
-    out: list[ReadableSpan] = []
-    while pending:
-        window = pending[:4]
-        i = rng.choice(window)
-        out.append(traces[i][cursors[i]])
-        cursors[i] += 1
-        if cursors[i] == len(traces[i]):
-            pending.remove(i)
-    return out
-
-
-def requests_of(rng: random.Random, spans: Sequence[ReadableSpan]) -> list[Any]:
-    """The spans cut into export requests of random sizes (1 to 12 spans)."""
-    out: list[Any] = []
-    at = 0
-    while at < len(spans):
-        size = rng.randint(1, 12)
-        out.append(encode_spans(spans[at:at + size]))
-        at += size
-    return out
-
-
-def session_of(resource_spans: Any) -> str:
-    for kv in resource_spans.resource.attributes:
-        if kv.key == ROUTING_ATTRIBUTE:
-            return str(kv.value.string_value)
-    return ""
 
 
 def through_splitter(requests: Sequence[Any], lateness_ns: int = LATENESS_NS) -> list[list[Any]]:
@@ -157,10 +69,6 @@ def split_over(requests: Sequence[Any], evaluators: int) -> list[list[Any]]:
     for resource_spans in through_splitter(requests):
         send(resource_spans)
     return routed
-
-
-def spans_in(requests: Sequence[Any]) -> int:
-    return sum(len(ss.spans) for r in requests for rs in r.resource_spans for ss in rs.scope_spans)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
@@ -233,19 +141,6 @@ COLLECTOR_SEEDS = (11, 12)
 @pytest.fixture(scope="module")
 def otelcol() -> Path:
     return build_collector()
-
-
-def later_span(seed: int, start_ns: int) -> Any:
-    """One request: a tool call of another session, starting at ``start_ns``."""
-    memory = InMemorySpanExporter()
-    provider = TracerProvider(id_generator=_SeededIds(seed * 1000 + 999))
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    attributes = {"durable.session.id": f"route-{seed}-later", "durable.action.id": f"route-{seed}-later-a0",
-                  "durable.action.kind": "tool_call"}
-    provider.get_tracer("durable-check-tests").start_span("later", start_time=start_ns,
-                                                           attributes=attributes).end(end_time=start_ns + _MS)
-    provider.shutdown()
-    return encode_spans(memory.get_finished_spans())
 
 
 def sessions_held(state: Path) -> int:

@@ -175,7 +175,7 @@ def split_resource_spans(resource_spans: trace_pb2.ResourceSpans, max_spans: int
 
 
 @dataclass(slots=True)
-class _Outcome:
+class Outcome:
     ok: bool
     retryable: bool
     # The downstream's own suggestion (RetryInfo, Retry-After), if it gave one.
@@ -184,7 +184,9 @@ class _Outcome:
     rejected_spans: int = 0
 
 
-class _GrpcSender:
+class GrpcSender:
+    """Sends ExportTraceServiceRequests over the OTLP gRPC stub."""
+
     def __init__(self, cfg: ForwardConfig) -> None:
         options = [("grpc.max_send_message_length", -1)]
         target, insecure = grpc_target(cfg.endpoint, cfg.insecure)
@@ -202,7 +204,7 @@ class _GrpcSender:
         self._metadata = tuple((name.lower(), value) for name, value in cfg.headers.items())
         self._timeout = cfg.timeout
 
-    def send(self, request: trace_service_pb2.ExportTraceServiceRequest) -> _Outcome:
+    def send(self, request: trace_service_pb2.ExportTraceServiceRequest) -> Outcome:
         try:
             response = self._stub.Export(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -210,8 +212,8 @@ class _GrpcSender:
             call = cast(grpc.Call, error)
             code = call.code()
             retry_after = _grpc_retry_delay(call.trailing_metadata() or ())
-            return _Outcome(False, code in RETRYABLE_GRPC_CODES, retry_after, f"gRPC {code.name}")
-        return _Outcome(True, False, None, "", response.partial_success.rejected_spans)
+            return Outcome(False, code in RETRYABLE_GRPC_CODES, retry_after, f"gRPC {code.name}")
+        return Outcome(True, False, None, "", response.partial_success.rejected_spans)
 
     def close(self) -> None:
         self._channel.close()
@@ -233,18 +235,20 @@ def _grpc_retry_delay(trailing: Iterable[tuple[str, str | bytes]]) -> float | No
     return None
 
 
-class _HttpSender:
+class HttpSender:
+    """Sends ExportTraceServiceRequests as OTLP/HTTP protobuf POSTs."""
+
     def __init__(self, cfg: ForwardConfig) -> None:
         self._url = http_url(cfg.endpoint, "traces")
         verify: bool | ssl.SSLContext = ssl.create_default_context(cafile=cfg.ca_file) if cfg.ca_file else True
         self._client = httpx.Client(timeout=cfg.timeout, verify=verify)
         self._headers = {**cfg.headers, "Content-Type": "application/x-protobuf"}
 
-    def send(self, request: trace_service_pb2.ExportTraceServiceRequest) -> _Outcome:
+    def send(self, request: trace_service_pb2.ExportTraceServiceRequest) -> Outcome:
         try:
             response = self._client.post(self._url, content=request.SerializeToString(), headers=self._headers)
         except httpx.HTTPError as error:
-            return _Outcome(False, True, None, f"HTTP {type(error).__name__}")
+            return Outcome(False, True, None, f"HTTP {type(error).__name__}")
         if 200 <= response.status_code < 300:
             rejected = 0
             if response.content and response.headers.get("content-type", "").startswith("application/x-protobuf"):
@@ -254,7 +258,7 @@ class _HttpSender:
                     rejected = answer.partial_success.rejected_spans
                 except DecodeError:  # an unreadable success body is still a success
                     rejected = 0
-            return _Outcome(True, False, None, "", rejected)
+            return Outcome(True, False, None, "", rejected)
         retry_after = None
         header = response.headers.get("retry-after")
         if header is not None:
@@ -263,10 +267,15 @@ class _HttpSender:
             except ValueError:
                 retry_after = None
         status = response.status_code
-        return _Outcome(False, status in RETRYABLE_HTTP_STATUSES, retry_after, f"HTTP {status}")
+        return Outcome(False, status in RETRYABLE_HTTP_STATUSES, retry_after, f"HTTP {status}")
 
     def close(self) -> None:
         self._client.close()
+
+
+def open_sender(cfg: ForwardConfig) -> GrpcSender | HttpSender:
+    """A sender to ``cfg.endpoint`` over ``cfg.protocol``; ``send`` answers, ``close`` lets go of the connection."""
+    return GrpcSender(cfg) if cfg.protocol == "grpc" else HttpSender(cfg)
 
 
 class Forwarder:
@@ -275,7 +284,7 @@ class Forwarder:
     def __init__(self, cfg: ForwardConfig, telemetry: Telemetry) -> None:
         self._cfg = cfg
         self._telemetry = telemetry
-        self._sender: _GrpcSender | _HttpSender = _GrpcSender(cfg) if cfg.protocol == "grpc" else _HttpSender(cfg)
+        self._sender = open_sender(cfg)
         self._buffer: collections.deque[tuple[Any, int]] = collections.deque()
         self._buffered_spans = 0
         self._oldest_at = 0.0

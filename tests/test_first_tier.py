@@ -1,0 +1,292 @@
+"""The first tier as a process (serve with ``route.endpoint``), and the whole two-tier topology.
+
+Agents → the Collector (``config/otel-collector-two-tier.yaml``: by trace id) → first-tier
+``serve`` replicas (journal, identity stage, session on the resource) → the same Collector's
+second pipeline (by the resource's session) → evaluator ``serve`` replicas with embedded
+SQLite state. Sessions span several traces, children are exported before the root that names
+the session, traces interleave across requests of random sizes. Whatever replica a trace
+reaches, the evaluators together find what ``replay`` finds on the spans as sent, each session
+at one evaluator, no violation written twice; also with a first-tier replica SIGKILLed
+halfway and started again at its address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
+import pytest
+import yaml
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from processor.config import parse_config
+from processor.errors import ConfigError
+from processor.route.first_tier import RouteServer
+from processor.serve import ServerThread
+from processor.state.sqlite import SqliteStore
+from processor.telemetry import Telemetry
+from tests.collector_support import REPO, Collector, build_collector
+from tests.durable_support import ServeProcess, serve_settings, write_config
+from tests.route_support import NS, interleaved, later_span, requests_of, session_traces, spans_in
+from tests.serve_support import Key, keys_of, read_jsonl, replay_keys, running, serve_config, wait_for
+from tests.servers import free_port, wait_until
+
+TWO_TIER_CONFIG = REPO / "config" / "otel-collector-two-tier.yaml"
+BY_TRACE = "loadbalancing/by-trace"
+BY_SESSION = "loadbalancing/by-session"
+
+
+def first_tier_document(workdir: Path, grpc_port: int, downstream: str, lateness: str) -> dict[str, Any]:
+    return {
+        "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"}, "http": {"endpoint": ""}}},
+        "evaluate": {"tick_interval": "50ms", "allowed_lateness": lateness},
+        "state": {"backend": "sqlite", "path": str(workdir / "first-tier.db")},
+        "route": {"endpoint": downstream, "insecure": True, "checkpoint_interval": "200ms",
+                  "initial_backoff": "100ms", "max_backoff": "1s"},
+    }
+
+
+# -- one first tier in process, in front of a real evaluator ----------------------------------------------
+
+@contextlib.contextmanager
+def first_tier(tmp_path: Path, downstream: str, lateness: str = "2s") -> Iterator[RouteServer]:
+    document = first_tier_document(tmp_path, 0, downstream, lateness)
+    config = parse_config(yaml.safe_dump(document), "first tier")
+    telemetry = Telemetry()
+    store = SqliteStore(config.state.path)
+    with ServerThread(RouteServer(config, telemetry, store)) as server:
+        yield server
+
+
+def export(port: int, requests: Sequence[Any]) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
+        for request in requests:
+            stub.Export(request, timeout=10.0)
+
+
+def test_the_first_tier_gives_the_evaluator_whole_sessions_and_retries_while_it_is_down(tmp_path: Path) -> None:
+    """The evaluator is not there yet: the first tier still acknowledges (its journal holds the spans),
+    retries with backoff, and once the evaluator listens it gets every span with its session: it finds
+    what replay finds, without a session of a trace's id."""
+    seed = 21
+    rng = random.Random(seed)
+    requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=5, traces=3, steps=3)))
+    port = free_port()
+    config = serve_config(tmp_path / "evaluator", {
+        "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{port}"}}},
+        "evaluate": {"allowed_lateness": "2s"},
+    })
+    (tmp_path / "evaluator").mkdir()
+    (tmp_path / "tier").mkdir()
+    reference = replay_keys(requests, config)
+    with first_tier(tmp_path / "tier", f"127.0.0.1:{port}") as tier:
+        export(tier.grpc_port, requests)
+        assert tier.worker.stats.journaled == len(requests)
+        # Nothing has gone on: the downstream refuses connections, and the spans wait in the journal.
+        assert wait_for(lambda: (tier.telemetry.registry.get_sample_value(
+            "durable_check_route_send_failures_total") or 0) > 0)
+        assert tier.worker.stats.sent_spans == 0
+        with running(config) as evaluator:
+            assert wait_for(lambda: tier.worker.stats.sent_spans >= spans_in(requests), timeout_s=30.0)
+            assert wait_for(lambda: evaluator.worker.processed_spans >= spans_in(requests), timeout_s=30.0)
+    found = keys_of(read_jsonl(tmp_path / "evaluator" / "violations.jsonl"))
+    assert found == reference, f"missing {sorted(reference - found)}, extra {sorted(found - reference)}"
+    assert {session for _, session, _ in found} <= {f"route-{seed}-{s:02d}" for s in range(5)}
+
+
+def test_what_waits_for_its_session_at_a_stop_goes_on_after_the_restart(tmp_path: Path) -> None:
+    """A payment span held for its root at a clean stop is in the checkpoint; the root arriving after
+    the restart sends it on with its session, and the evaluator reports it there."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("durable-check-tests")
+    payment = {"durable.action.id": "pay-1", "durable.action.kind": "payment"}
+    with (tracer.start_as_current_span("turn", attributes={"gen_ai.conversation.id": "conv-held"}),
+          tracer.start_as_current_span("charge card", attributes=payment)):
+        pass
+    provider.shutdown()
+    child, root = memory.get_finished_spans()
+    port = free_port()
+    config = serve_config(tmp_path / "evaluator", {"receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{port}"}}}})
+    (tmp_path / "evaluator").mkdir()
+    (tmp_path / "tier").mkdir()
+    with running(config) as evaluator:
+        with first_tier(tmp_path / "tier", f"127.0.0.1:{port}", lateness="30s") as tier:
+            export(tier.grpc_port, [encode_spans([child])])
+            assert wait_for(lambda: tier.worker.held_spans == 1)
+        with first_tier(tmp_path / "tier", f"127.0.0.1:{port}", lateness="30s") as tier:
+            assert tier.worker.held_spans == 1
+            export(tier.grpc_port, [encode_spans([root])])
+            assert wait_for(lambda: tier.worker.stats.sent_spans == 2)
+        assert wait_for(lambda: evaluator.worker.processed_spans == 2)
+    found = keys_of(read_jsonl(tmp_path / "evaluator" / "violations.jsonl"))
+    assert found == {("DS002", "conv-held", "pay-1")}
+
+
+def test_first_tier_settings_that_cannot_work_are_named() -> None:
+    document = {
+        "route": {"endpoint": "127.0.0.1:4317", "checkpoint_interval": "0s"},
+        "state": {"backend": "memory"},
+        "ui": {"endpoint": "127.0.0.1:4319"},
+        "exporters": {"jsonl": {"path": "violations.jsonl"}},
+        "forward": {"endpoint": "127.0.0.1:4999"},
+    }
+    with pytest.raises(ConfigError) as caught:
+        parse_config(yaml.safe_dump(document), "tier.yaml")
+    named = {problem.where for problem in caught.value.problems}
+    assert {"route.checkpoint_interval", "state.backend", "ui.endpoint", "exporters.jsonl.path",
+            "forward.endpoint"} <= named
+
+
+# -- the whole topology with the real Collector ---------------------------------------------------------
+
+FIRST_TIERS = 2
+EVALUATORS = 3
+SEEDS = (31, 32)
+
+
+@pytest.fixture(scope="module")
+def otelcol() -> Path:
+    return build_collector()
+
+
+def two_tier_collector(otelcol: Path, tmp: Path, sessions_port: int, first_tiers: Sequence[ServeProcess],
+                       evaluators: Sequence[ServeProcess]) -> Collector:
+    """config/otel-collector-two-tier.yaml as shipped, but for local addresses (static resolvers), short
+    retry intervals and no queue on the second hop."""
+    collector = Collector(otelcol, tmp, name="two-tier", metrics_port=free_port())
+    shipped = yaml.safe_load(TWO_TIER_CONFIG.read_text(encoding="utf-8"))
+    document = copy.deepcopy(shipped)
+    document["receivers"]["otlp"]["protocols"] = {"grpc": {"endpoint": collector.endpoint}}
+    document["receivers"]["otlp/sessions"]["protocols"]["grpc"]["endpoint"] = f"127.0.0.1:{sessions_port}"
+    for name, targets in ((BY_TRACE, first_tiers), (BY_SESSION, evaluators)):
+        exporter = document["exporters"][name]
+        exporter["resolver"] = {"static": {"hostnames": [f"127.0.0.1:{t.grpc_port}" for t in targets]}}
+        exporter["retry_on_failure"] = {
+            "enabled": True, "initial_interval": "100ms", "max_interval": "1s", "max_elapsed_time": "60s"}
+    # No queue on the second hop: the first tier's send returns once an evaluator has the spans, so an
+    # idle first tier means that everything it took is at an evaluator (first_tier_idle).
+    document["exporters"][BY_SESSION]["sending_queue"] = {"enabled": False}
+    assert document["exporters"][BY_TRACE]["routing_key"] == "traceID"
+    assert document["exporters"][BY_SESSION]["routing_attributes"] == ["durable.session.id"]
+    collector.start(document)
+    return collector
+
+
+def through_first_hop(collector: Collector, spans: int) -> None:
+    wait_until(lambda: collector.sent_spans(BY_TRACE) >= spans, timeout_s=60.0, what=f"{spans} spans to the first tier")
+
+
+def first_tier_idle(database: Path) -> bool:
+    """Nothing journaled that is not yet sent on, nothing waiting for its session (read beside the
+    replica's own writes): everything it took has reached an evaluator, the Collector's second hop
+    having no queue."""
+    with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5.0)) as db:
+        journaled = int(db.execute("SELECT count(*) FROM journal").fetchone()[0])
+        row = db.execute("SELECT value FROM meta WHERE key = 'route.splitter'").fetchone()
+    return journaled == 0 and row is not None and not orjson.loads(row[0])["waiting"]
+
+
+def through_both_hops(collector: Collector, spans: int, first_tiers: Sequence[Path]) -> None:
+    """Every span sent so far is at an evaluator: taken by a first tier, then sent on by it."""
+    through_first_hop(collector, spans)
+    wait_until(lambda: all(first_tier_idle(database) for database in first_tiers), timeout_s=60.0,
+               what="the first tiers sending on all they took")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", [False, True], ids=["steady", "first-tier-killed"])
+def test_two_tiers_behind_the_real_collector_find_what_replay_finds(tmp_path: Path, otelcol: Path,
+                                                                     kill: bool) -> None:
+    lateness_s = 5 if kill else 2
+    evaluate = {"tick_interval": "50ms", "allowed_lateness": f"{lateness_s}s"}
+    config = serve_config(tmp_path, {"evaluate": evaluate})
+    sessions_port = free_port()
+    evaluators, first_tiers = [], []
+    for n in range(EVALUATORS):
+        workdir = tmp_path / f"e{n}"
+        workdir.mkdir()
+        port = free_port()
+        document = serve_settings(workdir, port, {"backend": "sqlite", "path": str(workdir / "state.db")},
+                                  workdir / "violations.jsonl")
+        document["evaluate"] = evaluate
+        evaluators.append(ServeProcess(write_config(workdir / "serve.yaml", document), port, workdir / "serve.log"))
+    for n in range(FIRST_TIERS):
+        workdir = tmp_path / f"t{n}"
+        workdir.mkdir()
+        port = free_port()
+        document = first_tier_document(workdir, port, f"127.0.0.1:{sessions_port}", f"{lateness_s}s")
+        first_tiers.append(ServeProcess(write_config(workdir / "serve.yaml", document), port, workdir / "serve.log"))
+    databases = [tmp_path / f"t{n}" / "first-tier.db" for n in range(FIRST_TIERS)]
+    for process in [*evaluators, *first_tiers]:
+        process.start()
+    collector: Collector | None = None
+    references: dict[int, set[Key]] = {}
+    later_ns = 0
+    try:
+        for process in [*evaluators, *first_tiers]:
+            process.wait_ready()
+        collector = two_tier_collector(otelcol, tmp_path, sessions_port, first_tiers, evaluators)
+        sent = 0
+        with grpc.insecure_channel(collector.endpoint) as channel:
+            stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
+            for seed in SEEDS:
+                rng = random.Random(seed)
+                start_ns = max(time.time_ns(), later_ns + NS)
+                time.sleep(max(0.0, (start_ns - time.time_ns()) / NS))
+                requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=8, traces=3, steps=3,
+                                                                            start_ns=start_ns)))
+                # Agents keep working after these sessions: event time passes their waits' deadlines.
+                later_ns = start_ns + (3 + lateness_s) * NS
+                later = later_span(seed, later_ns)
+                references[seed] = replay_keys([*requests, later], config)
+                for index, request in enumerate(requests):
+                    if kill and seed == SEEDS[0] and index == len(requests) // 2:
+                        # Whatever the first tier acknowledged so far is in its journal or already on.
+                        through_first_hop(collector, sent)
+                        first_tiers[0].kill()
+                        first_tiers[0].start()
+                        first_tiers[0].wait_ready()
+                    stub.Export(request, timeout=10.0)
+                    sent += spans_in([request])
+                # The later span names its session: it must not overtake this workload's spans, which
+                # its event time would make late at their evaluator (one watermark per evaluator).
+                through_both_hops(collector, sent, databases)
+                stub.Export(later, timeout=10.0)
+                sent += spans_in([later])
+                through_both_hops(collector, sent, databases)
+        time.sleep(lateness_s + 2.0)  # the evaluators' reordering window and the waits' deadlines pass
+        assert collector.stop() == 0, collector.log()
+        assert "Dropping data" not in collector.log()
+    finally:
+        if collector is not None:
+            collector.stop()
+        codes = [process.stop() for process in [*first_tiers, *evaluators]]
+    assert codes == [0] * (FIRST_TIERS + EVALUATORS), "\n".join(p.log() for p in [*first_tiers, *evaluators])
+    assert sum(p.kills for p in first_tiers) == (1 if kill else 0)
+    files = [read_jsonl(tmp_path / f"e{n}" / "violations.jsonl") for n in range(EVALUATORS)]
+    ids = [d["violation_id"] for documents in files for d in documents]
+    assert len(ids) == len(set(ids)), "a violation was written twice"
+    sessions = [{d["session_id"] for d in documents} for documents in files]
+    assert sum(1 for held in sessions if held) >= 2, "the sessions must spread over the evaluators"
+    for a in range(EVALUATORS):
+        for b in range(a + 1, EVALUATORS):
+            assert not sessions[a] & sessions[b], "a session reached two evaluators"
+    found = keys_of([d for documents in files for d in documents])
+    for seed, reference in references.items():
+        mine = {k for k in found if k[2].startswith(f"route-{seed}-")}
+        assert mine == reference, f"seed {seed}: missing {sorted(reference - mine)}, extra {sorted(mine - reference)}"

@@ -372,9 +372,10 @@ class RouteServer:
         self.worker.start()
         await self.intake.start()
         route = self.config.route
-        logging.getLogger("processor.serve").info("first tier: every span goes on to %s over %s with its session on the resource (headers: %s); "
-                 "nothing is evaluated here", redact_endpoint(route.endpoint), route.protocol,
-                 forward_headers_for_log(route.headers))
+        logging.getLogger("processor.serve").info(
+            "first tier: every span goes on to %s over %s with its session on the resource (headers: %s); "
+            "nothing is evaluated here", redact_endpoint(route.endpoint), route.protocol,
+            forward_headers_for_log(route.headers))
         self._started = True
 
     async def begin_drain(self) -> None:

@@ -2,16 +2,18 @@
 
 Each agent run is one trace: a payment call without an idempotency key (DS002, judged on
 the span alone) exported first, naming no session, then the run's root naming the
-conversation, in a request of its own a little later, as an SDK exports them. Tier 1 is
-the splitter (processor.route.by_session) in this process; tier 2 is the Collector built
-from deploy/collector/ with config/otel-collector-by-session.yaml (a static resolver
-naming the evaluators) in front of ``serve`` evaluators with their default (SQLite) state
-and a JSONL exporter. Timed per run: from the export of its payment span to the moment its
-DS002 line appears in an evaluator's file, medians and the 90th percentile, so it holds the
-wait for the root, both Collector hops' batching and the evaluator's own path.
+conversation, in a request of its own a little later, as an SDK exports them. The whole
+topology runs as it is shipped: the Collector built from deploy/collector/ with
+config/otel-collector-two-tier.yaml (static resolvers naming local processes), first-tier
+``serve`` processes (config/first-tier.yaml: route.endpoint, SQLite journal) and ``serve``
+evaluators with their default (SQLite) state and a JSONL exporter. Timed per run: from the
+export of its payment span to the moment its DS002 line appears in an evaluator's file,
+medians and the 90th percentile, so it holds the wait for the root, both Collector hops,
+the first tier's journal and the evaluator's own path. Also printed: the CPU time the
+first tiers spent per span (from /proc), which sizes them beside the evaluators.
 
-    python -m bench.route_latency                    # 300 runs, 2 evaluators, 20 runs/s
-    python -m bench.route_latency --runs 600 --evaluators 3 --rate 40
+    python -m bench.route_latency                    # 300 runs, 1 first tier, 2 evaluators, 20 runs/s
+    python -m bench.route_latency --runs 600 --first-tiers 2 --evaluators 3 --rate 40
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import subprocess
 import sys
@@ -34,13 +37,18 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from bench.live import Tailer, _wait_ready, free_ports
-from processor.convert.spans import SpanConverter
-from processor.route.by_session import SessionSplitter
 
 _ROOT = Path(__file__).resolve().parents[1]
-_EXPORTER = "loadbalancing/by-session"
+_BY_TRACE = "loadbalancing/by-trace"
+_BY_SESSION = "loadbalancing/by-session"
 _ROOT_DELAY_S = 0.05  # the root ends, so is exported, after its child
 _NS = 1_000_000_000
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _attr(key: str, value: str) -> common_pb2.KeyValue:
@@ -73,51 +81,29 @@ def _collector_binary() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def _serve(work: Path, name: str, config: dict[str, Any], http_port: int) -> subprocess.Popen[bytes]:
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    log = (work / f"{name}.log").open("ab")
+    proc = subprocess.Popen([sys.executable, "-m", "processor.cli", "serve", "--config", str(path)],
+                            cwd=_ROOT, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    _wait_ready(http_port, proc)
+    return proc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--first-tiers", type=int, default=1)
     parser.add_argument("--evaluators", type=int, default=2)
     parser.add_argument("--rate", type=float, default=20.0, help="agent runs started per second")
     args = parser.parse_args(argv)
     binary = _collector_binary()
     with tempfile.TemporaryDirectory(prefix="route-latency-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
-        ports = free_ports(2 * args.evaluators + 2)
+        ports = free_ports(2 * (args.evaluators + args.first_tiers) + 3)
+        collector_port, sessions_port, health_port = ports[-3:]
         procs: list[subprocess.Popen[bytes]] = []
-        tailers = []
-        for e in range(args.evaluators):
-            grpc_port, http_port = ports[2 * e], ports[2 * e + 1]
-            config = {
-                "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
-                                       "http": {"endpoint": f"127.0.0.1:{http_port}"}}},
-                "state": {"backend": "sqlite", "path": str(work / f"e{e}.db")},
-                "exporters": {"jsonl": {"path": str(work / f"e{e}.jsonl")}},
-            }
-            path = work / f"e{e}.yaml"
-            path.write_text(yaml.safe_dump(config), encoding="utf-8")
-            log = (work / f"e{e}.log").open("ab")
-            procs.append(subprocess.Popen([sys.executable, "-m", "processor.cli", "serve", "--config", str(path)],
-                                          cwd=_ROOT, stdout=log, stderr=log, stdin=subprocess.DEVNULL))
-            _wait_ready(http_port, procs[-1])
-            tailer = Tailer(work / f"e{e}.jsonl")
-            tailer.start()
-            tailers.append(tailer)
-        collector_port, health_port = ports[-2], ports[-1]
-        shipped = yaml.safe_load((_ROOT / "config/otel-collector-by-session.yaml").read_text(encoding="utf-8"))
-        exporter = copy.deepcopy(shipped["exporters"][_EXPORTER])
-        exporter["resolver"] = {"static": {"hostnames": [f"127.0.0.1:{ports[2 * e]}" for e in range(args.evaluators)]}}
-        document = {
-            "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": f"127.0.0.1:{collector_port}"}}}},
-            "exporters": {_EXPORTER: exporter},
-            "extensions": {"health_check": {"endpoint": f"127.0.0.1:{health_port}"}},
-            "service": {"extensions": ["health_check"], "telemetry": {"metrics": {"level": "none"}},
-                        "pipelines": {"traces": {"receivers": ["otlp"], "exporters": [_EXPORTER]}}},
-        }
-        (work / "collector.yaml").write_text(yaml.safe_dump(document), encoding="utf-8")
-        log = (work / "collector.log").open("ab")
-        collector = subprocess.Popen([binary, "--config", str(work / "collector.yaml")], stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL)
-        procs.append(collector)
 
         def stop_all() -> None:
             for proc in procs:
@@ -125,6 +111,46 @@ def main(argv: list[str] | None = None) -> int:
                     proc.terminate()
 
         stack.callback(stop_all)
+        tailers = []
+        evaluators, first_tiers = [], []
+        for e in range(args.evaluators):
+            grpc_port, http_port = ports[2 * e], ports[2 * e + 1]
+            procs.append(_serve(work, f"e{e}", {
+                "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
+                                       "http": {"endpoint": f"127.0.0.1:{http_port}"}}},
+                "state": {"backend": "sqlite", "path": str(work / f"e{e}.db")},
+                "exporters": {"jsonl": {"path": str(work / f"e{e}.jsonl")}},
+            }, http_port))
+            evaluators.append(grpc_port)
+            tailer = Tailer(work / f"e{e}.jsonl")
+            tailer.start()
+            tailers.append(tailer)
+        shipped_tier = yaml.safe_load((_ROOT / "config/first-tier.yaml").read_text(encoding="utf-8"))
+        tier_pids = []
+        for t in range(args.first_tiers):
+            grpc_port, http_port = ports[2 * (args.evaluators + t)], ports[2 * (args.evaluators + t) + 1]
+            config = copy.deepcopy(shipped_tier)
+            config["receivers"] = {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
+                                            "http": {"endpoint": f"127.0.0.1:{http_port}"}}}
+            config["state"]["path"] = str(work / f"t{t}.db")
+            config["route"]["endpoint"] = f"127.0.0.1:{sessions_port}"
+            config.pop("exporters", None)
+            procs.append(_serve(work, f"t{t}", config, http_port))
+            tier_pids.append(procs[-1].pid)
+            first_tiers.append(grpc_port)
+        document = yaml.safe_load((_ROOT / "config/otel-collector-two-tier.yaml").read_text(encoding="utf-8"))
+        document["receivers"]["otlp"]["protocols"] = {"grpc": {"endpoint": f"127.0.0.1:{collector_port}"}}
+        document["receivers"]["otlp/sessions"]["protocols"]["grpc"]["endpoint"] = f"127.0.0.1:{sessions_port}"
+        for name, targets in ((_BY_TRACE, first_tiers), (_BY_SESSION, evaluators)):
+            document["exporters"][name]["resolver"] = {"static": {"hostnames": [f"127.0.0.1:{p}" for p in targets]}}
+        document["extensions"] = {"health_check": {"endpoint": f"127.0.0.1:{health_port}"}}
+        document["service"]["extensions"] = ["health_check"]
+        document["service"]["telemetry"] = {"metrics": {"level": "none"}}
+        (work / "collector.yaml").write_text(yaml.safe_dump(document), encoding="utf-8")
+        log = (work / "collector.log").open("ab")
+        collector = subprocess.Popen([binary, "--config", str(work / "collector.yaml")], stdout=log, stderr=log,
+                                     stdin=subprocess.DEVNULL)
+        procs.append(collector)
         import httpx
 
         deadline = time.monotonic() + 30
@@ -136,47 +162,44 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("the Collector did not become healthy")
             time.sleep(0.05)
 
-        splitter = SessionSplitter(SpanConverter(), 5 * _NS)
         sent: dict[str, int] = {}
         channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{collector_port}"))
         stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
-
-        def send(request: Any) -> None:
-            out = splitter.admit(request, time.time_ns())
-            if out:
-                stub.Export(trace_service_pb2.ExportTraceServiceRequest(resource_spans=out), timeout=10.0)
-
+        cpu_before = sum(cpu_seconds(pid) for pid in tier_pids)
         started = time.monotonic()
         roots: list[tuple[float, Any]] = []
         for n in range(args.runs):
             due = started + n / args.rate
             while roots and roots[0][0] <= time.monotonic():
-                send(roots.pop(0)[1])
+                stub.Export(roots.pop(0)[1], timeout=10.0)
             time.sleep(max(0.0, due - time.monotonic()))
             child, root = _run(n, time.time_ns())
             sent[f"pay-{n}"] = time.time_ns()
-            send(child)
+            stub.Export(child, timeout=10.0)
             roots.append((time.monotonic() + _ROOT_DELAY_S, root))
         for at, root in roots:
             time.sleep(max(0.0, at - time.monotonic()))
-            send(root)
+            stub.Export(root, timeout=10.0)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             found = {action for t in tailers for (rule, action) in t.seen if rule == "DS002"}
             if len(found) >= args.runs:
                 break
             time.sleep(0.1)
+        tier_cpu = sum(cpu_seconds(pid) for pid in tier_pids) - cpu_before
         for tailer in tailers:
             tailer.stop()
         latencies = sorted((t.seen[("DS002", a)] - sent[a]) / 1e6 for t in tailers for (r, a) in t.seen
                            if r == "DS002" and a in sent)
         per_evaluator = [sum(1 for (r, _) in t.seen if r == "DS002") for t in tailers]
-        print(f"runs {args.runs} at {args.rate:g}/s, evaluators {args.evaluators}, findings {len(latencies)} "
-              f"(per evaluator {per_evaluator})")
+        print(f"runs {args.runs} at {args.rate:g}/s, first tiers {args.first_tiers}, evaluators {args.evaluators}, "
+              f"findings {len(latencies)} (per evaluator {per_evaluator})")
         if latencies:
             p90 = latencies[max(0, int(0.9 * len(latencies)) - 1)]
             print(f"send to finding: median {statistics.median(latencies):.0f} ms, p90 {p90:.0f} ms "
                   f"(root sent {_ROOT_DELAY_S * 1000:.0f} ms after its child)")
+        print(f"first tiers' CPU: {tier_cpu:.2f} s for {2 * args.runs} spans "
+              f"({tier_cpu / (2 * args.runs) * 1e6:.0f} us per span, idle time included)")
         collector.terminate()
         collector.wait(30)
         for proc in procs[:-1]:

@@ -93,8 +93,14 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def first_tier(obj: dict[str, Any]) -> bool:
+    """Whether ``obj`` belongs to the first tier (firstTier.enabled), not to the evaluators."""
+    return str(obj["metadata"].get("labels", {}).get("app.kubernetes.io/component", "")).startswith("first-tier")
+
+
 def workload(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    (found,) = [o for o in objects if o["kind"] in {"StatefulSet", "Deployment"}]
+    """The evaluators' StatefulSet or Deployment."""
+    (found,) = [o for o in objects if o["kind"] in {"StatefulSet", "Deployment"} and not first_tier(o)]
     return found
 
 
@@ -109,7 +115,7 @@ def config_volume_sources(objects: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def processor_configmap(objects: list[dict[str, Any]]) -> dict[str, Any]:
     """The ConfigMap holding serve's configuration (the Grafana dashboard may have one of its own)."""
-    found = [o for o in by_kind(objects, "ConfigMap") if "config.yaml" in o.get("data", {})]
+    found = [o for o in by_kind(objects, "ConfigMap") if "config.yaml" in o.get("data", {}) and not first_tier(o)]
     assert len(found) == 1, f"expected one ConfigMap with config.yaml, found {len(found)}"
     return found[0]
 
@@ -173,6 +179,9 @@ STATEFUL_OPTIONS: dict[str, Any] = {
               "otlp-http": {"containerPort": 14318, "servicePort": 4318, "appProtocol": "http"},
               "metrics": {"enabled": False, "containerPort": 9464, "servicePort": 9464}},
     "livenessProbe": {}, "startupProbe": {},
+    "firstTier": {"enabled": True, "replicaCount": 3, "sessionsEndpoint": "otel-collector.observability:14317",
+                  "insecure": False, "config": {"queue": {"max_requests": 8}, "route": {"checkpoint_interval": "500ms"}},
+                  "resources": {"requests": {"cpu": "1"}}, "persistence": {"size": "5Gi"}},
     "extraEnv": [{"name": "OTEL_RESOURCE_ATTRIBUTES",
                   "valueFrom": {"configMapKeyRef": {"name": "otel-resource", "key": "attributes"}}}],
 }
@@ -195,7 +204,7 @@ def test_chart_deploys_this_version() -> None:
 
 def test_ci_values_cover_every_mode_and_option() -> None:
     names = {path.stem for path in CI_FILES}
-    assert {"default-values", "postgres-values", "monitoring-values", "tls-values"} <= names
+    assert {"default-values", "postgres-values", "monitoring-values", "tls-values", "first-tier-values"} <= names
 
 
 def test_chart_lints() -> None:
@@ -569,6 +578,84 @@ def test_collector_config_routes_sessions_to_the_headless_service() -> None:
                 assert component in collector[kind], f"pipeline {name}: {component} is not defined"
     assert pipelines["traces/durable-check"]["exporters"] == ["loadbalancing/durable-check"]
     assert any("otlp/" in e for e in pipelines["traces"]["exporters"]), "the tracing backend keeps every trace"
+
+
+FIRST_TIER_VALUES = CHART / "ci" / "first-tier-values.yaml"
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def test_first_tier_is_a_workload_of_its_own_that_no_evaluator_service_selects() -> None:
+    """Each Service selects the pods of one tier: an evaluator Service that selected first-tier pods
+    would send agents' spans to a tier that evaluates nothing, and the Collector's rings would mix."""
+    objects = manifests(load_values(FIRST_TIER_VALUES), name="durable-check", namespace="durable-check")
+    workloads = by_kind(objects, "StatefulSet")
+    assert len(workloads) == 2
+    (tier,) = [w for w in workloads if first_tier(w)]
+    evaluators = workload(objects)
+    tier_pods = tier["spec"]["template"]["metadata"]["labels"]
+    evaluator_pods = evaluators["spec"]["template"]["metadata"]["labels"]
+    for service in by_kind(objects, "Service"):
+        selector = service["spec"]["selector"]
+        if first_tier(service):
+            assert _selects(selector, tier_pods) and not _selects(selector, evaluator_pods), service["metadata"]
+        else:
+            assert _selects(selector, evaluator_pods) and not _selects(selector, tier_pods), service["metadata"]
+    assert tier["spec"]["serviceName"] == "durable-check-first-tier-headless"
+    assert tier["spec"]["replicas"] == 2
+    (claim,) = tier["spec"]["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in tier["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == "/var/lib/durable-check"
+    (disruption,) = by_kind(manifests({**load_values(FIRST_TIER_VALUES), "podDisruptionBudget": {"enabled": True}}),
+                            "PodDisruptionBudget")
+    assert not _selects(disruption["spec"]["selector"]["matchLabels"], tier_pods)
+
+
+def _first_tier_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (configmap,) = [o for o in by_kind(objects, "ConfigMap") if first_tier(o)]
+    config = yaml.safe_load(configmap["data"]["config.yaml"])
+    assert isinstance(config, dict)
+    return config
+
+
+def test_first_tier_runs_config_first_tier_yaml_and_it_checks(tmp_path: Path) -> None:
+    """config/first-tier.yaml is what the chart runs for ci/first-tier-values.yaml; serve accepts it as
+    the first tier (route_problems finds nothing), and its lateness is the evaluators'."""
+    objects = manifests(load_values(FIRST_TIER_VALUES))
+    rendered = _first_tier_config(objects)
+    assert rendered == yaml.safe_load((REPO / "config" / "first-tier.yaml").read_text(encoding="utf-8"))
+    assert rendered["evaluate"]["allowed_lateness"] == processor_config(objects)["evaluate"]["allowed_lateness"]
+    path = tmp_path / "first-tier.yaml"
+    path.write_text(yaml.safe_dump(rendered), encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "processor.cli", "serve", "--config", str(path), "--check"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    # With TLS and auth, the first tier receives as the evaluators do.
+    secured = manifests({**load_values(FIRST_TIER_VALUES), **load_values(CHART / "ci" / "tls-values.yaml")})
+    assert _first_tier_config(secured)["receivers"] == processor_config(secured)["receivers"]
+
+
+def test_two_tier_collector_config_names_the_charts_services() -> None:
+    """config/otel-collector-two-tier.yaml routes by trace to the first tier and by session to the
+    evaluators, by the names the chart gives them for release durable-check."""
+    collector = yaml.safe_load((REPO / "config/otel-collector-two-tier.yaml").read_text(encoding="utf-8"))
+    objects = manifests(load_values(FIRST_TIER_VALUES), name="durable-check", namespace="durable-check")
+    headless = {s["metadata"]["name"]: s for s in by_kind(objects, "Service") if s["spec"].get("clusterIP") == "None"}
+    routes = {"loadbalancing/by-trace": ("durable-check-first-tier-headless", "traceID"),
+              "loadbalancing/by-session": ("durable-check-headless", "attributes")}
+    for name, (service, key) in routes.items():
+        exporter = collector["exporters"][name]
+        assert exporter["routing_key"] == key
+        port = next(p["port"] for p in headless[service]["spec"]["ports"] if p["name"] == "otlp")
+        assert exporter["resolver"]["k8s"] == {"service": f"{service}.durable-check", "ports": [port]}
+    pipelines = collector["service"]["pipelines"]
+    assert pipelines["traces/first-tier"]["exporters"] == ["loadbalancing/by-trace"]
+    assert pipelines["traces/by-session"]["receivers"] == ["otlp/sessions"]
+    # What the first tier sends to is that second receiver's port.
+    sessions_port = collector["receivers"]["otlp/sessions"]["protocols"]["grpc"]["endpoint"].rpartition(":")[2]
+    assert _first_tier_config(objects)["route"]["endpoint"].rpartition(":")[2] == sessions_port
 
 
 def _loadbalancing_exporters(text: str) -> list[dict[str, Any]]:

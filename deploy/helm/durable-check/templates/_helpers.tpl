@@ -98,6 +98,23 @@ Where the container keeps its files; the same paths as the image (Dockerfile).
 {{- define "durable-check.tlsDir" -}}/etc/durable-check/tls{{- end }}
 
 {{/*
+The first tier (firstTier.enabled): its own name, so that neither tier's Services select
+the other's pods (the evaluators select on name and instance only).
+*/}}
+{{- define "durable-check.firstTierName" -}}
+{{- printf "%s-first-tier" (include "durable-check.fullname" . | trunc 52 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "durable-check.firstTierHeadlessName" -}}
+{{- printf "%s-headless" (include "durable-check.firstTierName" .) }}
+{{- end }}
+
+{{- define "durable-check.firstTierSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-first-tier" (include "durable-check.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
 ConfigMap key of a user rule file (prefixed so no rule file can collide with config.yaml).
 */}}
 {{- define "durable-check.ruleKey" -}}
@@ -160,6 +177,18 @@ in a way the schema cannot express.
 {{- end }}
 {{- if and .Values.ui.ingress.enabled (not .Values.ui.auth.existingSecret) (not .Values.ui.ingress.allowWithoutToken) }}
 {{- fail "ui.ingress.enabled: the view would answer anyone who reaches the Ingress; set ui.auth.existingSecret (the authenticating proxy in front adds the token), or ui.ingress.allowWithoutToken when the ingress controller authenticates every request itself" }}
+{{- end }}
+{{- if .Values.firstTier.enabled }}
+{{- if ne .Values.mode "statefulset" }}
+{{- fail "firstTier.enabled needs mode=statefulset: the two tiers keep each session at one evaluator with its own embedded state" }}
+{{- end }}
+{{- if not .Values.firstTier.sessionsEndpoint }}
+{{- fail "firstTier.sessionsEndpoint: the Collector's receiver that routes by session (otlp/sessions in config/otel-collector-two-tier.yaml), host:port" }}
+{{- end }}
+{{- /* The schema keeps receivers, state, ui and forward out of firstTier.config. */}}
+{{- if hasKey (((.Values.firstTier.config).route) | default dict) "endpoint" }}
+{{- fail "firstTier.config.route.endpoint: set firstTier.sessionsEndpoint instead" }}
+{{- end }}
 {{- end }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.ports.metrics.enabled) }}
 {{- fail "serviceMonitor.enabled needs ports.metrics.enabled: the ServiceMonitor scrapes that port" }}

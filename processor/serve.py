@@ -149,10 +149,8 @@ class Server:
         self.ui: UiServer | None = None
         if config.ui.endpoint:
             self.ui = UiServer(config, views, pipeline.engine.ruleset, telemetry, self.ready)
-        self._started = False
-        self._draining = False
-        self.intake = OtlpIntake(config.receivers.otlp, self.queue, telemetry, accepting=self.accepting,
-                                 ready=self.ready, alive=self.worker.alive)
+        self.intake = OtlpIntake(config.receivers.otlp, self.queue, telemetry, alive=self.worker.alive,
+                                 healthy=lambda: self.worker.healthy, failing="the state store is failing")
         # The loop the receivers run in (set by start); other threads schedule onto it.
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -169,18 +167,10 @@ class Server:
         return self.intake.budget
 
     def accepting(self) -> bool:
-        return self._started and not self._draining
+        return self.intake.accepting()
 
     def ready(self) -> tuple[bool, str]:
-        if not self._started:
-            return False, "starting"
-        if self._draining:
-            return False, "shutting down"
-        if self.queue.is_full():
-            return False, "queue full"
-        if not self.worker.healthy:
-            return False, "the state store is failing"
-        return True, ""
+        return self.intake.ready()
 
     async def start(self) -> None:
         """Start the worker, the forwarder and both receivers; OSError if an endpoint cannot be bound."""
@@ -201,15 +191,11 @@ class Server:
             fwd = self.config.forward
             logger.info("processor mode: forwarding every span to %s over %s (headers: %s)",
                         redact_endpoint(fwd.endpoint), fwd.protocol, forward_headers_for_log(fwd.headers))
-        self._started = True
+        self.intake.started = True
 
     async def begin_drain(self) -> None:
         """Stop accepting: readiness and gRPC health turn NOT_SERVING; new requests are told to retry."""
-        if self._draining:
-            return
-        self._draining = True
-        await self.intake.set_draining()
-        self.queue.close()
+        await self.intake.drain()
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, evaluate what was accepted, stop receivers, flush exporters and the forwarder."""

@@ -50,14 +50,19 @@ class OtlpIntake:
 
     def __init__(
         self, cfg: OTLPReceiverConfig, queue: IngestQueue, telemetry: Telemetry,
-        *, accepting: Callable[[], bool], ready: Check, alive: Check,
+        *, alive: Check, healthy: Callable[[], bool], failing: str,
     ) -> None:
+        """``alive``: the consumer of the queue comes round (liveness); ``healthy``: its store takes
+        writes, else readiness says ``failing``."""
         self._cfg = cfg
         self._queue = queue
         self._telemetry = telemetry
-        self._accepting = accepting
-        self._ready = ready
         self._alive = alive
+        self._healthy = healthy
+        self._failing = failing
+        # Set by the owner once everything behind the receivers runs too; set by drain().
+        self.started = False
+        self.draining = False
         # Request bytes both receivers hold at once (processor.receive.budget).
         self.budget = ByteBudget(int(cfg.max_bytes_in_flight))
         self._grpc: OTLPGrpcReceiver | None = None
@@ -65,17 +70,32 @@ class OtlpIntake:
         self.grpc_port = 0
         self.http_port = 0
 
+    def accepting(self) -> bool:
+        return self.started and not self.draining
+
+    def ready(self) -> tuple[bool, str]:
+        """(ready, why not): what /readyz and the gRPC health answer say."""
+        if not self.started:
+            return False, "starting"
+        if self.draining:
+            return False, "shutting down"
+        if self._queue.is_full():
+            return False, "queue full"
+        if not self._healthy():
+            return False, self._failing
+        return True, ""
+
     async def start(self) -> None:
         """Bind and start both receivers; OSError if an endpoint cannot be bound."""
         cfg = self._cfg
         if cfg.grpc.endpoint:
-            self._grpc = OTLPGrpcReceiver(cfg.grpc, self._queue, self._telemetry, self._accepting,
+            self._grpc = OTLPGrpcReceiver(cfg.grpc, self._queue, self._telemetry, self.accepting,
                                           max_spans_per_request=cfg.max_spans_per_request, budget=self.budget)
             self.grpc_port = await self._grpc.start()
             logger.info("OTLP/gRPC receiver listening on %s", with_port(cfg.grpc.endpoint, self.grpc_port))
             logger.info("OTLP/gRPC receiver: %s", describe_protection(cfg.grpc.tls, cfg.grpc.auth))
         if cfg.http.endpoint:
-            app = build_app(cfg.http, self._queue, self._telemetry, self._accepting, self._ready,
+            app = build_app(cfg.http, self._queue, self._telemetry, self.accepting, self.ready,
                             max_spans_per_request=cfg.max_spans_per_request, budget=self.budget, alive=self._alive)
             self._http = EmbeddedHttpServer(app, cfg.http.endpoint, cfg.http.tls, what="the HTTP receiver",
                                             where="receivers.otlp.http.endpoint", backlog=1024,
@@ -85,10 +105,16 @@ class OtlpIntake:
             logger.info("OTLP/HTTP receiver listening on %s", with_port(cfg.http.endpoint, self.http_port))
             logger.info("OTLP/HTTP receiver: %s", describe_protection(cfg.http.tls, cfg.http.auth))
 
-    async def set_draining(self) -> None:
-        """gRPC health turns NOT_SERVING (HTTP readiness follows ``ready``)."""
+    async def drain(self) -> bool:
+        """Stop accepting: readiness and gRPC health turn NOT_SERVING, new requests are told to retry, the
+        queue closes (its consumer finishes what it holds). False when already draining."""
+        if self.draining:
+            return False
+        self.draining = True
         if self._grpc is not None:
             await self._grpc.set_draining()
+        self._queue.close()
+        return True
 
     async def stop(self, deadline: float) -> None:
         """Stop both receivers by ``deadline`` (monotonic); call once every accepted request has its answer."""

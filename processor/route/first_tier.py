@@ -338,12 +338,10 @@ class RouteServer:
         q = config.queue
         self.queue = IngestQueue(q.max_requests, q.max_spans, float(q.retry_after), telemetry)
         self.worker = RouteWorker(self.queue, store, config, telemetry)
-        self.intake = OtlpIntake(config.receivers.otlp, self.queue, telemetry, accepting=self.accepting,
-                                 ready=self.ready, alive=self.worker.alive)
+        self.intake = OtlpIntake(config.receivers.otlp, self.queue, telemetry, alive=self.worker.alive,
+                                 healthy=lambda: self.worker.healthy, failing="the journal is failing")
         # Its own metrics only (route_problems allows no other exporter here).
         self.exporters = build_exporters(config.exporters, telemetry)
-        self._started = False
-        self._draining = False
 
     @property
     def grpc_port(self) -> int:
@@ -352,20 +350,6 @@ class RouteServer:
     @property
     def http_port(self) -> int:
         return self.intake.http_port
-
-    def accepting(self) -> bool:
-        return self._started and not self._draining
-
-    def ready(self) -> tuple[bool, str]:
-        if not self._started:
-            return False, "starting"
-        if self._draining:
-            return False, "shutting down"
-        if self.queue.is_full():
-            return False, "queue full"
-        if not self.worker.healthy:
-            return False, "the journal is failing"
-        return True, ""
 
     async def start(self) -> None:
         """Start the worker and both receivers; OSError if an endpoint cannot be bound."""
@@ -376,19 +360,12 @@ class RouteServer:
             "first tier: every span goes on to %s over %s with its session on the resource (headers: %s); "
             "nothing is evaluated here", redact_endpoint(route.endpoint), route.protocol,
             forward_headers_for_log(route.headers))
-        self._started = True
-
-    async def begin_drain(self) -> None:
-        if self._draining:
-            return
-        self._draining = True
-        await self.intake.set_draining()
-        self.queue.close()
+        self.intake.started = True
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, journal and send what was accepted, checkpoint, stop the receivers."""
         deadline = time.monotonic() + timeout_s
-        await self.begin_drain()
+        await self.intake.drain()
         loop = asyncio.get_running_loop()
         drained = await loop.run_in_executor(None, self.worker.drain, max(1.0, deadline - time.monotonic()))
         if not drained:

@@ -4,7 +4,8 @@ session and end before the root that names it, interleaved and cut into export r
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import trace
@@ -17,6 +18,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from processor.route.by_session import ROUTING_ATTRIBUTE
 from tests.durable_support import session_steps
+from tests.serve_support import Key, keys_of, read_jsonl
 
 MS = 1_000_000
 NS = 1_000_000_000
@@ -123,3 +125,21 @@ def later_span(seed: int, start_ns: int) -> Any:
                                                            attributes=attributes).end(end_time=start_ns + MS)
     provider.shutdown()
     return encode_spans(memory.get_finished_spans())
+
+
+def assert_evaluators_agree_with_replay(files: Sequence[Path], references: Mapping[int, set[Key]]) -> None:
+    """The evaluators' JSONL files together: each session at one evaluator (spread over at least two),
+    no violation written twice, and for each workload's seed exactly what replay found."""
+    documents = [read_jsonl(path) for path in files]
+    ids = [d["violation_id"] for part in documents for d in part]
+    assert len(ids) == len(set(ids)), "a violation was written twice"
+    sessions = [{d["session_id"] for d in part} for part in documents]
+    # The exporter's ring decides the split (it hashes the replicas' addresses, free ports here).
+    assert sum(1 for held in sessions if held) >= 2, "the sessions must spread over the evaluators"
+    for a in range(len(sessions)):
+        for b in range(a + 1, len(sessions)):
+            assert not sessions[a] & sessions[b], "a session reached two evaluators"
+    found = keys_of([d for part in documents for d in part])
+    for seed, reference in references.items():
+        mine = {k for k in found if k[2].startswith(f"route-{seed}-")}
+        assert mine == reference, f"seed {seed}: missing {sorted(reference - mine)}, extra {sorted(mine - reference)}"

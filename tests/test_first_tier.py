@@ -40,7 +40,15 @@ from processor.state.sqlite import SqliteStore
 from processor.telemetry import Telemetry
 from tests.collector_support import REPO, Collector, build_collector
 from tests.durable_support import ServeProcess, serve_settings, write_config
-from tests.route_support import NS, interleaved, later_span, requests_of, session_traces, spans_in
+from tests.route_support import (
+    NS,
+    assert_evaluators_agree_with_replay,
+    interleaved,
+    later_span,
+    requests_of,
+    session_traces,
+    spans_in,
+)
 from tests.serve_support import Key, keys_of, read_jsonl, replay_keys, running, serve_config, wait_for
 from tests.servers import free_port, wait_until
 
@@ -284,15 +292,5 @@ def test_two_tiers_behind_the_real_collector_find_what_replay_finds(tmp_path: Pa
         codes = [process.stop() for process in [*first_tiers, *evaluators]]
     assert codes == [0] * (FIRST_TIERS + EVALUATORS), "\n".join(p.log() for p in [*first_tiers, *evaluators])
     assert sum(p.kills for p in first_tiers) == (1 if kill else 0)
-    files = [read_jsonl(tmp_path / f"e{n}" / "violations.jsonl") for n in range(EVALUATORS)]
-    ids = [d["violation_id"] for documents in files for d in documents]
-    assert len(ids) == len(set(ids)), "a violation was written twice"
-    sessions = [{d["session_id"] for d in documents} for documents in files]
-    assert sum(1 for held in sessions if held) >= 2, "the sessions must spread over the evaluators"
-    for a in range(EVALUATORS):
-        for b in range(a + 1, EVALUATORS):
-            assert not sessions[a] & sessions[b], "a session reached two evaluators"
-    found = keys_of([d for documents in files for d in documents])
-    for seed, reference in references.items():
-        mine = {k for k in found if k[2].startswith(f"route-{seed}-")}
-        assert mine == reference, f"seed {seed}: missing {sorted(reference - mine)}, extra {sorted(mine - reference)}"
+    assert_evaluators_agree_with_replay([tmp_path / f"e{n}" / "violations.jsonl" for n in range(EVALUATORS)],
+                                        references)

@@ -36,8 +36,16 @@ from processor.route.by_session import ROUTING_ATTRIBUTE, SessionSplitter
 from tests.collector_support import REPO, Collector, build_collector
 from tests.durable_support import ServeProcess, serve_settings, write_config
 from tests.route_support import NS as _NS
-from tests.route_support import interleaved, later_span, requests_of, session_of, session_traces, spans_in
-from tests.serve_support import Key, keys_of, read_jsonl, replay_keys, serve_config
+from tests.route_support import (
+    assert_evaluators_agree_with_replay,
+    interleaved,
+    later_span,
+    requests_of,
+    session_of,
+    session_traces,
+    spans_in,
+)
+from tests.serve_support import Key, replay_keys, serve_config
 from tests.servers import free_port, wait_until
 
 LATENESS_NS = 2 * _NS
@@ -251,19 +259,8 @@ def test_a_real_collector_routing_by_the_resource_session_gives_each_session_to_
         codes = [replica.stop() for replica in replicas]
     assert codes == [0] * EVALUATORS, "\n".join(r.log() for r in replicas)
     assert sum(replica.kills for replica in replicas) == (1 if kill else 0)
-    files = [read_jsonl(tmp_path / f"e{n}" / "violations.jsonl") for n in range(EVALUATORS)]
-    ids = [d["violation_id"] for documents in files for d in documents]
-    assert len(ids) == len(set(ids)), "a violation was written twice"
-    sessions = [{d["session_id"] for d in documents} for documents in files]
-    # The exporter's ring decides the split (it hashes the replicas' addresses, free ports here).
-    assert sum(1 for held in sessions if held) >= 2, "the sessions must spread over the evaluators"
-    for a in range(EVALUATORS):
-        for b in range(a + 1, EVALUATORS):
-            assert not sessions[a] & sessions[b], "a session reached two evaluators"
-    found = keys_of([d for documents in files for d in documents])
-    for seed, reference in references.items():
-        mine = {k for k in found if k[2].startswith(f"route-{seed}-")}
-        assert mine == reference, f"seed {seed}: missing {sorted(reference - mine)}, extra {sorted(mine - reference)}"
+    assert_evaluators_agree_with_replay([tmp_path / f"e{n}" / "violations.jsonl" for n in range(EVALUATORS)],
+                                        references)
 
 
 # -- the benchmarks run end to end at a tiny size (no timing asserted) --------------------------------------

@@ -57,21 +57,23 @@ BY_TRACE = "loadbalancing/by-trace"
 BY_SESSION = "loadbalancing/by-session"
 
 
-def first_tier_document(workdir: Path, grpc_port: int, downstream: str, lateness: str) -> dict[str, Any]:
+def first_tier_document(workdir: Path, grpc_port: int, downstream: str, lateness: str,
+                        max_batch_spans: int = 2048) -> dict[str, Any]:
     return {
         "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"}, "http": {"endpoint": ""}}},
         "evaluate": {"tick_interval": "50ms", "allowed_lateness": lateness},
         "state": {"backend": "sqlite", "path": str(workdir / "first-tier.db")},
         "route": {"endpoint": downstream, "insecure": True, "checkpoint_interval": "200ms",
-                  "initial_backoff": "100ms", "max_backoff": "1s"},
+                  "initial_backoff": "100ms", "max_backoff": "1s", "max_batch_spans": max_batch_spans},
     }
 
 
 # -- one first tier in process, in front of a real evaluator ----------------------------------------------
 
 @contextlib.contextmanager
-def first_tier(tmp_path: Path, downstream: str, lateness: str = "2s") -> Iterator[RouteServer]:
-    document = first_tier_document(tmp_path, 0, downstream, lateness)
+def first_tier(tmp_path: Path, downstream: str, lateness: str = "2s", max_batch_spans: int = 2048,
+               ) -> Iterator[RouteServer]:
+    document = first_tier_document(tmp_path, 0, downstream, lateness, max_batch_spans)
     config = parse_config(yaml.safe_dump(document), "first tier")
     telemetry = Telemetry()
     store = SqliteStore(config.state.path)
@@ -101,7 +103,8 @@ def test_the_first_tier_gives_the_evaluator_whole_sessions_and_retries_while_it_
     (tmp_path / "evaluator").mkdir()
     (tmp_path / "tier").mkdir()
     reference = replay_keys(requests, config)
-    with first_tier(tmp_path / "tier", f"127.0.0.1:{port}") as tier:
+    # Small requests downstream: what the first tier sends on is cut at max_batch_spans.
+    with first_tier(tmp_path / "tier", f"127.0.0.1:{port}", max_batch_spans=5) as tier:
         export(tier.grpc_port, requests)
         assert tier.worker.stats.journaled == len(requests)
         # Nothing has gone on: the downstream refuses connections, and the spans wait in the journal.
@@ -144,6 +147,37 @@ def test_what_waits_for_its_session_at_a_stop_goes_on_after_the_restart(tmp_path
         assert wait_for(lambda: evaluator.worker.processed_spans == 2)
     found = keys_of(read_jsonl(tmp_path / "evaluator" / "violations.jsonl"))
     assert found == {("DS002", "conv-held", "pay-1")}
+
+
+def test_spans_whose_trace_never_names_a_session_go_on_once_and_are_not_held_after_a_restart(
+        tmp_path: Path) -> None:
+    """Released by the clock (after allowed_lateness, with the trace id as session), not by an
+    admission: the next checkpoint records it, so a restart neither holds nor re-sends them."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    provider.get_tracer("durable-check-tests").start_span(
+        "charge card", attributes={"durable.action.id": "pay-9", "durable.action.kind": "payment"}).end()
+    provider.shutdown()
+    (span,) = memory.get_finished_spans()
+    port = free_port()
+    config = serve_config(tmp_path / "evaluator", {"receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{port}"}}}})
+    (tmp_path / "evaluator").mkdir()
+    (tmp_path / "tier").mkdir()
+    with running(config) as evaluator:
+        with first_tier(tmp_path / "tier", f"127.0.0.1:{port}", lateness="500ms") as tier:
+            export(tier.grpc_port, [encode_spans([span])])
+            assert wait_for(lambda: tier.worker.stats.sent_spans == 1)
+            assert tier.worker.held_spans == 0
+        with first_tier(tmp_path / "tier", f"127.0.0.1:{port}", lateness="500ms") as tier:
+            assert tier.worker.held_spans == 0
+            assert tier.worker.stats.resumed_entries == 0
+            time.sleep(1.0)
+            assert tier.worker.stats.sent_spans == 0
+        assert wait_for(lambda: evaluator.worker.processed_spans == 1)
+    trace_id = format(span.context.trace_id, "032x")
+    found = keys_of(read_jsonl(tmp_path / "evaluator" / "violations.jsonl"))
+    assert found == {("DS002", trace_id, "pay-9")}
 
 
 def test_first_tier_settings_that_cannot_work_are_named() -> None:

@@ -85,8 +85,11 @@ class RouteWorker:
         self._tick_s = float(config.evaluate.tick_interval)
         self._splitter = SessionSplitter(self._converter, self._lateness_ns)
         self._sender = open_sender(self._downstream)
-        # What the splitter let out and the downstream has not taken yet, in order.
-        self._outgoing: list[Any] = []
+        # What the splitter let out and the downstream has not taken yet, in order: ResourceSpans of at
+        # most max_batch_spans spans each, with their span counts.
+        self._outgoing: list[tuple[Any, int]] = []
+        # The splitter let spans out by the clock since the last checkpoint (not only by admissions).
+        self._released_since_checkpoint = False
         # Journal entries (id, size) admitted into the splitter since the last checkpoint.
         self._admitted: list[tuple[int, int]] = []
         self._last_admitted_id = 0
@@ -148,7 +151,8 @@ class RouteWorker:
             if group:
                 self._accept(group)
             self._admit_journaled()
-            self._release(self._splitter.release_due(time.time_ns()))
+            if self._release(self._splitter.release_due(time.time_ns())):
+                self._released_since_checkpoint = True
             self._send_due()
             self._checkpoint_due()
             self._telemetry.route_held.set(self._splitter.held_spans)
@@ -242,29 +246,30 @@ class RouteWorker:
         self._splitter.release_due(entry.received_ns)
         self._release(self._splitter.admit(request, entry.received_ns))
 
-    def _release(self, resource_spans: list[Any]) -> None:
-        if resource_spans:
-            if not self._outgoing:
-                self._next_send = time.monotonic()
-            self._outgoing.extend(resource_spans)
+    def _release(self, resource_spans: list[Any]) -> bool:
+        """Queue what the splitter let out for sending; whether there was any."""
+        if not resource_spans:
+            return False
+        if not self._outgoing:
+            self._next_send = time.monotonic()
+        for unit in resource_spans:
+            self._outgoing.extend(split_resource_spans(unit, self._route.max_batch_spans))
+        return True
 
     # -- 3. send on ---------------------------------------------------------------------------------
 
     def _send_due(self) -> None:
         """Send what is outgoing, in requests of at most ``max_batch_spans``, while the downstream takes it."""
         while self._outgoing and time.monotonic() >= self._next_send:
-            pieces: list[tuple[Any, int]] = []
             spans = 0
             taken = 0
-            for unit in self._outgoing:
-                parts = split_resource_spans(unit, self._route.max_batch_spans)
-                count = sum(n for _, n in parts)
-                if pieces and spans + count > self._route.max_batch_spans:
+            for _, count in self._outgoing:
+                if taken and spans + count > self._route.max_batch_spans:
                     break
-                pieces.extend(parts)
                 spans += count
                 taken += 1
-            request = trace_service_pb2.ExportTraceServiceRequest(resource_spans=[p for p, _ in pieces])
+            request = trace_service_pb2.ExportTraceServiceRequest(
+                resource_spans=[piece for piece, _ in self._outgoing[:taken]])
             outcome = self._sender.send(request)
             if outcome.ok or not outcome.retryable:
                 if outcome.ok:
@@ -293,15 +298,16 @@ class RouteWorker:
     # -- 4. checkpoint --------------------------------------------------------------------------------
 
     def _checkpoint_due(self) -> None:
-        if self._admitted and time.monotonic() - self._last_checkpoint >= float(self._route.checkpoint_interval):
+        if (self._admitted or self._released_since_checkpoint) and \
+                time.monotonic() - self._last_checkpoint >= float(self._route.checkpoint_interval):
             self._checkpoint(final=False)
 
     def _checkpoint(self, *, final: bool) -> None:
         """Record as done what the downstream has taken: possible only with nothing outgoing."""
-        if self._outgoing or not self._admitted:
+        if self._outgoing or not (self._admitted or self._released_since_checkpoint):
             if final and self._outgoing:
                 log.warning("stopping with %d span(s) not taken by the downstream; they go on at the next start",
-                            sum(len(ss.spans) for rs in self._outgoing for ss in rs.scope_spans))
+                            sum(count for _, count in self._outgoing))
             return
         plain = orjson.dumps(self._splitter.to_plain()).decode()
         done = self._admitted
@@ -314,6 +320,7 @@ class RouteWorker:
             log.error("recording the first tier's checkpoint failed (retried at the next one): %s", exc)
             return
         self._admitted = []
+        self._released_since_checkpoint = False
         self._last_checkpoint = time.monotonic()
         self.stats.checkpoints += 1
 

@@ -242,9 +242,12 @@ def test_ctrl_c_during_a_long_replay_says_so_in_one_line_and_exits_130(tmp_path:
     log = tmp_path / "long.jsonl"
     subprocess.run([sys.executable, "-m", "bench.generate", "actions", "--records", "400000", str(log)],
                    cwd=REPO, check=True, capture_output=True, timeout=120)
+    # As from a terminal: a suite started in the background inherits SIGINT ignored, and Python then
+    # keeps it ignored in the child (what nohup relies on), so the child gets the default back.
     replay = subprocess.Popen([sys.executable, "-m", "processor.cli", "replay", "--full-engine", str(log)],
                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                              env={**os.environ, "PYTHONPATH": str(REPO)},
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         time.sleep(1.5)  # well inside the replay: 400,000 lines take many seconds on the full engine
         assert replay.poll() is None, "the replay ended before it could be interrupted"

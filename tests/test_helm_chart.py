@@ -187,10 +187,54 @@ STATEFUL_OPTIONS: dict[str, Any] = {
                   "valueFrom": {"configMapKeyRef": {"name": "otel-resource", "key": "attributes"}}}],
 }
 
+# Every branch of the first tier's templates: TLS and auth on its receivers, its ServiceMonitor,
+# the shared pod extras and its own scheduling, every section firstTier.config may set.
+FIRST_TIER_OPTIONS: dict[str, Any] = {
+    "replicaCount": 3,
+    "config": {"evaluate": {"allowed_lateness": "10s"}},
+    "tls": {"enabled": True, "existingSecret": "tls", "clientAuth": True},
+    "auth": {"enabled": True, "existingSecret": "token", "key": "token"},
+    "ui": {"enabled": True},
+    "rules": {"mine.yaml": "version: 1\nrules: []\n"},
+    "serviceMonitor": {"enabled": True, "interval": "15s"},
+    "podDisruptionBudget": {"enabled": True},
+    "extraEnv": [{"name": "COLLECTOR_TOKEN", "valueFrom": {"secretKeyRef": {"name": "collector", "key": "token"}}},
+                 {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "deployment.environment=prod"}],
+    "extraVolumes": [{"name": "collector-ca", "configMap": {"name": "collector-ca"}}],
+    "extraVolumeMounts": [{"name": "collector-ca", "mountPath": "/etc/collector-ca", "readOnly": True}],
+    "podAnnotations": {"team": "agents"}, "podLabels": {"tier-owner": "platform"},
+    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "durable-check"}}},
+    }]}},
+    "firstTier": {
+        "enabled": True, "replicaCount": 2, "sessionsEndpoint": "otel-collector.observability:14317",
+        "insecure": False,
+        "config": {"queue": {"max_requests": 64}, "convert": {}, "evaluate": {"session_idle_timeout": "1d"},
+                   "state": {"journal_max_size": "512MiB", "synchronous": "full", "busy_timeout": "5s"},
+                   "route": {"ca_file": "/etc/collector-ca/ca.crt", "checkpoint_interval": "2s",
+                             "headers": {"authorization": "Bearer ${env:COLLECTOR_TOKEN}"}},
+                   "exporters": {"otlp_metrics": {"endpoint": "otel-collector.observability:4317"}},
+                   "telemetry": {}},
+        "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
+        "persistence": {"size": "2Gi"},
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100, "podAffinityTerm": {
+                "topologyKey": "kubernetes.io/hostname",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "durable-check-first-tier"}}},
+        }]}},
+        "topologySpreadConstraints": [{
+            "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "durable-check-first-tier"}}}],
+    },
+}
+
 VALUE_SETS = [
     pytest.param({}, id="chart-defaults"),
     pytest.param(ALL_OPTIONS, id="all-options"),
     pytest.param(STATEFUL_OPTIONS, id="statefulset-options"),
+    pytest.param(FIRST_TIER_OPTIONS, id="first-tier-options"),
 ] + [
     pytest.param(load_values(path), id=path.stem) for path in CI_FILES
 ]
@@ -209,7 +253,8 @@ def test_ci_values_cover_every_mode_and_option() -> None:
 
 
 def test_chart_lints() -> None:
-    value_sets: list[dict[str, Any]] = [{}, ALL_OPTIONS, STATEFUL_OPTIONS, *(load_values(path) for path in CI_FILES)]
+    value_sets: list[dict[str, Any]] = [{}, ALL_OPTIONS, STATEFUL_OPTIONS, FIRST_TIER_OPTIONS,
+                                        *(load_values(path) for path in CI_FILES)]
     for values in value_sets:
         report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}")
         assert report["errors"] == [], report
@@ -246,8 +291,12 @@ def check_service_monitor(monitor: dict[str, Any], objects: list[dict[str, Any]]
         s for s in by_kind(objects, "Service")
         if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
     ]
-    # Exactly the client Service: the headless one would have every pod scraped twice.
-    assert [s["spec"].get("clusterIP") for s in selected] == [None]
+    if first_tier(monitor):
+        # The first tier's headless Service: it has no other.
+        assert [s["metadata"]["name"] for s in selected] == [f"{RELEASE}-durable-check-first-tier-headless"]
+    else:
+        # Exactly the client Service: the headless one would have every pod scraped twice.
+        assert [s["spec"].get("clusterIP") for s in selected] == [None]
     port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
     for endpoint in spec["endpoints"]:
         assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings"}
@@ -443,7 +492,12 @@ def container_of(values: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_each_pod_names_itself_in_its_otlp_resource(values: dict[str, Any]) -> None:
-    container = container_of(values)
+    for workload_object in (o for o in manifests(values) if o["kind"] in {"StatefulSet", "Deployment"}):
+        name = workload_object["metadata"]["name"]
+        _names_itself(workload_object["spec"]["template"]["spec"]["containers"][0], (f"{name}-0", f"{name}-1"))
+
+
+def _names_itself(container: dict[str, Any], pods: tuple[str, ...]) -> None:
     names = [entry["name"] for entry in container["env"]]
     assert names[0] == "POD_NAME", "first, so that every later entry may refer to it"
     assert container["env"][0]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
@@ -452,8 +506,8 @@ def test_each_pod_names_itself_in_its_otlp_resource(values: dict[str, Any]) -> N
     # Every Secret and ConfigMap key the value sets name.
     sources = {"otel-resource/attributes": "k8s.cluster.name=eu-1", "hook/token": "t", "pg/url": "postgresql://",
                "token/token": "t", "durable-check-postgres/dsn": "postgresql://", "durable-check-token/token": "t",
-               "durable-check-view/token": "t"}
-    for pod in ("example-durable-check-0", "example-durable-check-1"):
+               "durable-check-view/token": "t", "collector/token": "t"}
+    for pod in pods:
         resource = resource_attributes(kubelet_env(container, pod, sources))
         assert resource["service.instance.id"] == pod
         assert resource["service.name"] == "durable-check"
@@ -612,6 +666,10 @@ def test_first_tier_is_a_workload_of_its_own_that_no_evaluator_service_selects()
     (disruption,) = by_kind(manifests({**load_values(FIRST_TIER_VALUES), "podDisruptionBudget": {"enabled": True}}),
                             "PodDisruptionBudget")
     assert not _selects(disruption["spec"]["selector"]["matchLabels"], tier_pods)
+    # A long release name: every name still a DNS label, and the tiers' names still apart.
+    long = manifests(load_values(FIRST_TIER_VALUES), name="r" * 53)
+    names = [(o["kind"], o["metadata"]["name"]) for o in long if o["kind"] in {"Service", "StatefulSet", "ConfigMap"}]
+    assert all(len(n) <= 63 for _, n in names) and len(set(names)) == len(names) == 7, names
 
 
 def _first_tier_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -657,6 +715,89 @@ def test_two_tier_collector_config_names_the_charts_services() -> None:
     # What the first tier sends to is that second receiver's port.
     sessions_port = collector["receivers"]["otlp/sessions"]["protocols"]["grpc"]["endpoint"].rpartition(":")[2]
     assert _first_tier_config(objects)["route"]["endpoint"].rpartition(":")[2] == sessions_port
+
+
+def _first_tier_workload(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (found,) = [o for o in by_kind(objects, "StatefulSet") if first_tier(o)]
+    return found
+
+
+def test_first_tier_takes_what_it_is_given_and_nothing_of_the_evaluators_own() -> None:
+    """firstTier.config is merged under what the chart owns; the pod shares the evaluators' image,
+    security, probes, receivers' Secrets and extras, but not their view, rule files, resources or
+    label-selecting scheduling."""
+    objects = manifests(FIRST_TIER_OPTIONS)
+    config = _first_tier_config(objects)
+    given = FIRST_TIER_OPTIONS["firstTier"]["config"]
+    assert config["state"] == {**given["state"], "backend": "sqlite", "path": "/var/lib/durable-check/first-tier.db"}
+    assert config["route"] == {**given["route"], "endpoint": "otel-collector.observability:14317", "insecure": False}
+    assert config["evaluate"] == {"session_idle_timeout": "1d", "allowed_lateness": "10s"}
+    assert config["exporters"] == {**given["exporters"], "prometheus": {"endpoint": "0.0.0.0:9464"}}
+    assert config["queue"] == given["queue"]
+    assert set(config) == {"receivers", "queue", "convert", "evaluate", "state", "route", "exporters", "telemetry"}
+
+    tier_pod = _first_tier_workload(objects)["spec"]["template"]
+    evaluator_pod = workload(objects)["spec"]["template"]
+    (tier,) = tier_pod["spec"]["containers"]
+    (evaluator,) = evaluator_pod["spec"]["containers"]
+    for key in ("image", "imagePullPolicy", "args", "securityContext", "livenessProbe", "startupProbe"):
+        assert tier[key] == evaluator[key], key
+    # The evaluators' readiness asks the view (ui.enabled); the first tier has none.
+    assert tier["readinessProbe"]["tcpSocket"] == {"port": "otlp-http"}, "mTLS: the kubelet has no client certificate"
+    assert [p["name"] for p in tier["ports"]] == ["otlp", "otlp-http", "metrics"]
+    assert "ui" in [p["name"] for p in evaluator["ports"]]
+    env = {e["name"]: e for e in tier["env"]}
+    assert set(env) == {"POD_NAME", "DURABLE_CHECK_BEARER_TOKEN", "COLLECTOR_TOKEN", "OTEL_RESOURCE_ATTRIBUTES"}
+    assert env["OTEL_RESOURCE_ATTRIBUTES"]["value"] == "service.instance.id=$(POD_NAME),deployment.environment=prod"
+    assert tier["resources"] == {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+    assert evaluator["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
+    assert tier["volumeMounts"][-1] == FIRST_TIER_OPTIONS["extraVolumeMounts"][0]
+    (config_volume,) = [v for v in tier_pod["spec"]["volumes"] if v["name"] == "config"]
+    (configmap, secret) = config_volume["projected"]["sources"]
+    assert configmap["configMap"] == {"name": "example-durable-check-first-tier",
+                                      "items": [{"key": "config.yaml", "path": "config.yaml"}]}, "no rule files"
+    assert [i["path"] for i in secret["secret"]["items"]] == ["tls/tls.crt", "tls/tls.key", "tls/ca.crt"]
+    assert tier_pod["metadata"]["annotations"]["team"] == "agents"
+    assert tier_pod["metadata"]["labels"]["tier-owner"] == "platform"
+    assert tier_pod["spec"]["affinity"] == FIRST_TIER_OPTIONS["firstTier"]["affinity"]
+    assert tier_pod["spec"]["topologySpreadConstraints"] == FIRST_TIER_OPTIONS["firstTier"]["topologySpreadConstraints"]
+    assert evaluator_pod["spec"]["affinity"] == FIRST_TIER_OPTIONS["affinity"]
+    assert "topologySpreadConstraints" not in evaluator_pod["spec"]
+    writable = {m["mountPath"] for m in tier["volumeMounts"] if not m.get("readOnly")}
+    assert writable == {"/var/lib/durable-check", "/tmp"}
+    (claim,) = _first_tier_workload(objects)["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    # Its ServiceMonitor scrapes the port its headless Service names.
+    (monitor,) = [m for m in by_kind(objects, "ServiceMonitor") if first_tier(m)]
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+
+
+def test_first_tier_config_change_rolls_the_first_tier_only() -> None:
+    def checksums(values: dict[str, Any]) -> tuple[str, str]:
+        objects = manifests({**load_values(FIRST_TIER_VALUES), **values})
+        return (str(_first_tier_workload(objects)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]),
+                str(workload(objects)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]))
+
+    tier, evaluators = checksums({})
+    changed_tier = checksums({"firstTier": {**load_values(FIRST_TIER_VALUES)["firstTier"],
+                                            "config": {"route": {"checkpoint_interval": "2s"}}}})
+    assert changed_tier[0] != tier and changed_tier[1] == evaluators
+    changed_rules = checksums({"rules": {"mine.yaml": "version: 1\nrules: []\n"}})
+    assert changed_rules[0] == tier and changed_rules[1] != evaluators
+    # allowed_lateness is both tiers': both roll.
+    lateness = checksums({"config": {"evaluate": {"allowed_lateness": "7s"}}})
+    assert lateness[0] != tier and lateness[1] != evaluators
+
+
+def test_notes_send_agents_to_the_collector_with_two_tiers() -> None:
+    notes = next(text for path, text in render(load_values(FIRST_TIER_VALUES), name="durable-check",
+                                                namespace="durable-check").items() if path.endswith("NOTES.txt"))
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in notes, "agents sending to a tier directly would skip the first tier"
+    assert "durable-check-first-tier-headless.durable-check, port 4317" in notes
+    assert "durable-check-headless.durable-check, port 4317" in notes
+    assert "otel-collector.observability:14317" in notes
+    assert "config/otel-collector-two-tier.yaml" in notes
 
 
 def _loadbalancing_exporters(text: str) -> list[dict[str, Any]]:
@@ -781,7 +922,9 @@ def _self_signed(tmp: Path) -> dict[str, Path]:
     return files
 
 
-RUN_VALUES_FILES = ["default-values.yaml", "monitoring-values.yaml", "tls-values.yaml"]
+# first-tier-values.yaml runs both tiers: the first tier sends on to the evaluator's gRPC
+# receiver where the Collector's otlp/sessions receiver would be (one evaluator needs no routing).
+RUN_VALUES_FILES = ["default-values.yaml", "monitoring-values.yaml", "tls-values.yaml", "first-tier-values.yaml"]
 
 
 @pytest.fixture(scope="module")
@@ -813,7 +956,8 @@ def chart_runs() -> dict[str, BaseException | None]:
 ])
 def test_chart_configuration_runs(values_file: str, chart_runs: dict[str, BaseException | None]) -> None:
     """The ConfigMap's config and rules, addresses and paths made local: --check passes, serve gets
-    ready, the documented first violation is counted, alerted on (monitoring) and written."""
+    ready, the documented first violation is counted, alerted on (monitoring) and written; with
+    firstTier, sent through the first tier's own configuration."""
     failure = chart_runs[values_file]
     if failure is not None:
         raise failure
@@ -889,6 +1033,9 @@ def run_chart_configuration(values: dict[str, Any], workdir: Path, secret_env: d
             # The in-cluster Alertmanager Service of the values becomes a real local one.
             alertmanager = stack.enter_context(alertmanager_server(workdir / "alertmanager"))
             config["exporters"]["alertmanager"]["url"] = alertmanager.url
+        tier = None
+        if values.get("firstTier", {}).get("enabled"):
+            tier = first_tier_for_run(objects, workdir, to_grpc_port=ports[4317])
         if values.get("prometheusRule", {}).get("enabled"):
             # Prometheus with the PrometheusRule's groups, scraping what the ServiceMonitor scrapes.
             groups = one(objects, "PrometheusRule")["spec"]["groups"]
@@ -904,6 +1051,17 @@ def run_chart_configuration(values: dict[str, Any], workdir: Path, secret_env: d
         server = stack.enter_context(ServeProcess(config_path, env, cwd=data, log_path=workdir / "serve.log"))
         base = f"{scheme}://127.0.0.1:{ports[4318]}"
         server.wait_for(f"{base}/readyz", client=client)
+        tier_process = None
+        if tier is not None:
+            # Agents send to the first tier (through the Collector), never to the evaluator.
+            assert scheme == "http" and not headers, "the first tier's run sends on in plaintext"
+            tier_env = base_env(env_extra, tmp_dir=scratch)
+            checked = check_config(tier.config_path, tier_env, cwd=tier.data)
+            assert checked.returncode == 0, checked.stdout + checked.stderr
+            tier_process = stack.enter_context(ServeProcess(tier.config_path, tier_env, cwd=tier.data,
+                                                            log_path=workdir / "first-tier.log"))
+            base = f"http://127.0.0.1:{tier.ports[4318]}"
+            tier_process.wait_for(f"{base}/readyz", client=client)
         # docs/deploy.md's first violation: an unkeyed payment is DS002.
         sent = client.post(f"{base}/v1/traces", content=doc_example_request(time.time_ns()),
                            headers={"content-type": "application/json", **headers})
@@ -933,11 +1091,56 @@ def run_chart_configuration(values: dict[str, Any], workdir: Path, secret_env: d
         if alertmanager is not None:
             wait_until(lambda: received_by_alertmanager(alertmanager.url, "DS002"),
                        timeout_s=40, interval_s=0.5, what="the DS002 alert in Alertmanager")
+        if tier is not None and tier_process is not None:
+            tier_metrics = f"http://127.0.0.1:{tier.ports[9464]}/metrics"
+            # The one span, sent on once (counted once the evaluator has taken it).
+            wait_until(lambda: route_sent_spans(httpx.get(tier_metrics, timeout=5).text) == 1.0,
+                       timeout_s=20, interval_s=0.2, what="the first tier's durable_check_route_sent_spans_total")
+            tier_code = tier_process.stop()
+            assert tier_code == 0, tier_process.output()[-4000:]
+            assert (tier.data / "first-tier.db").exists(), "its journal, on its own volume"
         code = server.stop()
     jsonl = data / "violations.jsonl"
     found = sorted(json.loads(line)["rule"] for line in jsonl.read_text(encoding="utf-8").splitlines())
     assert found == sorted(rule for rule, _, _ in expected)
     assert code == 0, server.output()[-4000:]
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstTierRun:
+    config_path: Path
+    data: Path
+    ports: dict[int, int]
+
+
+def first_tier_for_run(objects: list[dict[str, Any]], workdir: Path, to_grpc_port: int) -> FirstTierRun:
+    """The first tier's pod laid out locally: its ConfigMap's config, its own data volume and
+    ports, route.endpoint pointed at the evaluator's gRPC receiver on ``to_grpc_port``."""
+    (configmap,) = [o for o in by_kind(objects, "ConfigMap") if first_tier(o)]
+    (tier_workload,) = [o for o in by_kind(objects, "StatefulSet") if first_tier(o)]
+    pod = tier_workload["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    assert volume["projected"]["sources"][0]["configMap"]["name"] == configmap["metadata"]["name"]
+    etc = workdir / "etc-durable-check-first-tier"
+    data = workdir / "var-lib-durable-check-first-tier"
+    etc.mkdir()
+    data.mkdir()
+    config, ports = rewrite_for_localhost(yaml.safe_load(configmap["data"]["config.yaml"]), {
+        "/etc/durable-check": etc, "/var/lib/durable-check": data,
+    })
+    assert config["route"]["endpoint"] == "otel-collector.observability:14317"
+    config["route"]["endpoint"] = f"127.0.0.1:{to_grpc_port}"
+    config_path = write_yaml(etc / "config.yaml", config)
+    give_to_unprivileged(etc, data)
+    return FirstTierRun(config_path, data, ports)
+
+
+def route_sent_spans(exposition: str) -> float:
+    return sum(sample.value
+               for family in text_string_to_metric_families(exposition)
+               if family.name == "durable_check_route_sent_spans"
+               for sample in family.samples
+               if sample.name == "durable_check_route_sent_spans_total")
 
 
 def firing(prometheus_url: str, alertname: str, rule: str) -> bool:

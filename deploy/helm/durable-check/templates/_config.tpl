@@ -87,21 +87,20 @@ The configuration file as the ConfigMap stores it.
 
 {{/*
 The first tier's configuration (firstTier.enabled; docs/scaling.md, "Two tiers"), as YAML:
-the evaluators' receivers, its journal on its own volume, route.endpoint from
-firstTier.sessionsEndpoint, and the evaluators' allowed_lateness (how long a span naming no
-session waits for its trace must match how long the evaluators wait for late spans), under
-firstTier.config.
+firstTier.config under what the chart owns: the evaluators' receivers, its journal on its
+own volume, route.endpoint and insecure from firstTier, its metrics on ports.metrics, and
+the evaluators' allowed_lateness (how long a span naming no session waits for its trace
+must match how long the evaluators wait for late spans; validate keeps it out of
+firstTier.config).
 */}}
 {{- define "durable-check.firstTierConfigYaml" -}}
-{{- $data := include "durable-check.dataDir" . }}
-{{- $defaults := dict }}
+{{- $config := deepCopy (.Values.firstTier.config | default dict) }}
+{{- $owned := dict "receivers" (fromYaml (include "durable-check.receiversYaml" .)) }}
+{{- $_ := set $owned "route" (dict "endpoint" .Values.firstTier.sessionsEndpoint "insecure" .Values.firstTier.insecure) }}
+{{- $_ := set $owned "state" (dict "backend" "sqlite" "path" (printf "%s/first-tier.db" (include "durable-check.dataDir" .))) }}
 {{- with ((.Values.config.evaluate).allowed_lateness) }}
-{{- $_ := set $defaults "evaluate" (dict "allowed_lateness" .) }}
+{{- $_ := set $owned "evaluate" (dict "allowed_lateness" .) }}
 {{- end }}
-{{- $config := mustMergeOverwrite $defaults (deepCopy (.Values.firstTier.config | default dict)) }}
-{{- $route := mustMergeOverwrite ((get $config "route") | default dict) (dict "endpoint" .Values.firstTier.sessionsEndpoint "insecure" .Values.firstTier.insecure) }}
-{{- $owned := dict "receivers" (fromYaml (include "durable-check.receiversYaml" .)) "route" $route }}
-{{- $_ := set $owned "state" (dict "backend" "sqlite" "path" (printf "%s/first-tier.db" $data)) }}
 {{- if .Values.ports.metrics.enabled }}
 {{- $_ := set $owned "exporters" (dict "prometheus" (dict "endpoint" (printf "0.0.0.0:%d" (int .Values.ports.metrics.containerPort)))) }}
 {{- end }}

@@ -98,15 +98,17 @@ Where the container keeps its files; the same paths as the image (Dockerfile).
 {{- define "durable-check.tlsDir" -}}/etc/durable-check/tls{{- end }}
 
 {{/*
-The first tier (firstTier.enabled): its own name, so that neither tier's Services select
-the other's pods (the evaluators select on name and instance only).
+The first tier (firstTier.enabled): its objects' names, suffixes kept inside the
+63-character limit, and its pods' own app.kubernetes.io/name, so that neither tier's
+Services select the other's pods (the evaluators select on name and instance only, and a
+StatefulSet's selector cannot change on upgrade).
 */}}
 {{- define "durable-check.firstTierName" -}}
 {{- printf "%s-first-tier" (include "durable-check.fullname" . | trunc 52 | trimSuffix "-") }}
 {{- end }}
 
 {{- define "durable-check.firstTierHeadlessName" -}}
-{{- printf "%s-headless" (include "durable-check.firstTierName" .) }}
+{{- printf "%s-first-tier-headless" (include "durable-check.fullname" . | trunc 43 | trimSuffix "-") }}
 {{- end }}
 
 {{- define "durable-check.firstTierSelectorLabels" -}}
@@ -178,6 +180,9 @@ in a way the schema cannot express.
 {{- if and .Values.ui.ingress.enabled (not .Values.ui.auth.existingSecret) (not .Values.ui.ingress.allowWithoutToken) }}
 {{- fail "ui.ingress.enabled: the view would answer anyone who reaches the Ingress; set ui.auth.existingSecret (the authenticating proxy in front adds the token), or ui.ingress.allowWithoutToken when the ingress controller authenticates every request itself" }}
 {{- end }}
+{{- if ((.Values.config.route).endpoint) }}
+{{- fail "config.route.endpoint: would make the evaluators a first tier; run the first tier with firstTier.enabled" }}
+{{- end }}
 {{- if .Values.firstTier.enabled }}
 {{- if ne .Values.mode "statefulset" }}
 {{- fail "firstTier.enabled needs mode=statefulset: the two tiers keep each session at one evaluator with its own embedded state" }}
@@ -185,9 +190,18 @@ in a way the schema cannot express.
 {{- if not .Values.firstTier.sessionsEndpoint }}
 {{- fail "firstTier.sessionsEndpoint: the Collector's receiver that routes by session (otlp/sessions in config/otel-collector-two-tier.yaml), host:port" }}
 {{- end }}
-{{- /* The schema keeps receivers, state, ui and forward out of firstTier.config. */}}
-{{- if hasKey (((.Values.firstTier.config).route) | default dict) "endpoint" }}
-{{- fail "firstTier.config.route.endpoint: set firstTier.sessionsEndpoint instead" }}
+{{- /* The schema keeps receivers, ui, forward, the state's backend and path and the violation exporters out of firstTier.config. */}}
+{{- $route := ((.Values.firstTier.config).route) | default dict }}
+{{- range $key, $value := dict "endpoint" "sessionsEndpoint" "insecure" "insecure" }}
+{{- if hasKey $route $key }}
+{{- fail (printf "firstTier.config.route.%s: set firstTier.%s instead" $key $value) }}
+{{- end }}
+{{- end }}
+{{- if hasKey (((.Values.firstTier.config).evaluate) | default dict) "allowed_lateness" }}
+{{- fail "firstTier.config.evaluate.allowed_lateness: the first tier takes config.evaluate.allowed_lateness, the evaluators' (the two must agree: a span the first tier holds longer reaches its evaluator late)" }}
+{{- end }}
+{{- if and .Values.ports.metrics.enabled (hasKey ((((.Values.firstTier.config).exporters).prometheus) | default dict) "endpoint") }}
+{{- fail "firstTier.config.exporters.prometheus.endpoint: set by the chart from ports.metrics.containerPort; remove it from firstTier.config" }}
 {{- end }}
 {{- end }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.ports.metrics.enabled) }}

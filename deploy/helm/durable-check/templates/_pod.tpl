@@ -1,18 +1,33 @@
 {{/*
-The pod template shared by the StatefulSet and the Deployment.
+The pod template shared by the evaluators' StatefulSet or Deployment and the first tier's
+StatefulSet, called with (dict "root" $ "firstTier" false|true). Both tiers run the same
+image with the same security contexts, probes, receivers' Secrets and extras; the first
+tier has no view and no rule files, and its own ConfigMap, selector labels, resources,
+affinity and topology spread (those select pods by label: the evaluators' would not fit).
 */}}
 {{- define "durable-check.podTemplate" -}}
+{{- $root := .root }}
+{{- $firstTier := .firstTier }}
+{{- $own := ternary $root.Values.firstTier $root.Values $firstTier }}
+{{- $ui := and (not $firstTier) $root.Values.ui.enabled }}
+{{- $postgres := and (not $firstTier) (eq $root.Values.mode "deployment") }}
+{{- with $root -}}
 metadata:
   annotations:
     # A change of configuration or rules rolls the pods.
-    checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
+    checksum/config: {{ include (print $root.Template.BasePath (ternary "/first-tier-configmap.yaml" "/configmap.yaml" $firstTier)) $root | sha256sum }}
     {{- with .Values.podAnnotations }}
-    {{- tpl (toYaml .) $ | nindent 4 }}
+    {{- tpl (toYaml .) $root | nindent 4 }}
     {{- end }}
   labels:
+    {{- if $firstTier }}
+    {{- include "durable-check.firstTierSelectorLabels" . | nindent 4 }}
+    app.kubernetes.io/component: first-tier
+    {{- else }}
     {{- include "durable-check.selectorLabels" . | nindent 4 }}
+    {{- end }}
     {{- with .Values.podLabels }}
-    {{- tpl (toYaml .) $ | nindent 4 }}
+    {{- tpl (toYaml .) $root | nindent 4 }}
     {{- end }}
 spec:
   {{- with .Values.imagePullSecrets }}
@@ -28,7 +43,7 @@ spec:
   {{- end }}
   terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
   containers:
-    - name: durable-check
+    - name: {{ ternary "first-tier" "durable-check" $firstTier }}
       image: {{ include "durable-check.image" . | quote }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
       # The image's entrypoint is `durable-check serve`.
@@ -48,7 +63,7 @@ spec:
           containerPort: {{ .Values.ports.metrics.containerPort }}
           protocol: TCP
         {{- end }}
-        {{- if .Values.ui.enabled }}
+        {{- if $ui }}
         - name: ui
           containerPort: {{ .Values.ui.containerPort }}
           protocol: TCP
@@ -60,10 +75,10 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: metadata.name
-        {{- if or (eq .Values.mode "deployment") .Values.auth.enabled (and .Values.ui.enabled .Values.ui.auth.existingSecret) }}
+        {{- if or $postgres .Values.auth.enabled (and $ui .Values.ui.auth.existingSecret) }}
         # Secrets reach the configuration as ${env:VAR}, never through the ConfigMap.
         {{- end }}
-        {{- if eq .Values.mode "deployment" }}
+        {{- if $postgres }}
         - name: DURABLE_CHECK_POSTGRES_DSN
           valueFrom:
             secretKeyRef:
@@ -77,7 +92,7 @@ spec:
               name: {{ .Values.auth.existingSecret }}
               key: {{ .Values.auth.key }}
         {{- end }}
-        {{- if and .Values.ui.enabled .Values.ui.auth.existingSecret }}
+        {{- if and $ui .Values.ui.auth.existingSecret }}
         - name: DURABLE_CHECK_UI_TOKEN
           valueFrom:
             secretKeyRef:
@@ -110,28 +125,28 @@ spec:
       {{- end }}
       {{- with .Values.livenessProbe }}
       livenessProbe:
-        {{- include "durable-check.probe" (dict "probe" . "root" $) | nindent 8 }}
+        {{- include "durable-check.probe" (dict "probe" . "root" $root) | nindent 8 }}
       {{- end }}
       {{- with .Values.readinessProbe }}
       readinessProbe:
-        {{- if and $.Values.ui.enabled $.Values.ui.readiness .httpGet }}
+        {{- if and $ui $root.Values.ui.readiness .httpGet }}
         {{- /* The view answers readiness itself on its port (its TLS is the receivers', with no client certificates). */}}
         {{- $probe := deepCopy . }}
         {{- $_ := set $probe.httpGet "port" "ui" }}
         {{- $_ := set $probe.httpGet "path" "/readyz" }}
-        {{- if $.Values.tls.enabled }}
+        {{- if $root.Values.tls.enabled }}
         {{- $_ := set $probe.httpGet "scheme" "HTTPS" }}
         {{- end }}
         {{- toYaml $probe | nindent 8 }}
         {{- else }}
-        {{- include "durable-check.probe" (dict "probe" . "root" $) | nindent 8 }}
+        {{- include "durable-check.probe" (dict "probe" . "root" $root) | nindent 8 }}
         {{- end }}
       {{- end }}
       {{- with .Values.startupProbe }}
       startupProbe:
-        {{- include "durable-check.probe" (dict "probe" . "root" $) | nindent 8 }}
+        {{- include "durable-check.probe" (dict "probe" . "root" $root) | nindent 8 }}
       {{- end }}
-      {{- with .Values.resources }}
+      {{- with $own.resources }}
       resources:
         {{- toYaml . | nindent 8 }}
       {{- end }}
@@ -154,13 +169,15 @@ spec:
       projected:
         sources:
           - configMap:
-              name: {{ include "durable-check.fullname" . }}
+              name: {{ ternary (include "durable-check.firstTierName" .) (include "durable-check.fullname" .) $firstTier }}
               items:
                 - key: config.yaml
                   path: config.yaml
+                {{- if not $firstTier }}
                 {{- range $file := keys .Values.rules | sortAlpha }}
                 - key: {{ include "durable-check.ruleKey" $file }}
                   path: rules/{{ $file }}
+                {{- end }}
                 {{- end }}
           {{- if .Values.tls.enabled }}
           - secret:
@@ -175,7 +192,7 @@ spec:
                   path: tls/ca.crt
                 {{- end }}
           {{- end }}
-    {{- if ne .Values.mode "statefulset" }}
+    {{- if $postgres }}
     # mode=deployment keeps its state in PostgreSQL; this volume only holds JSONL output.
     - name: data
       emptyDir: {}
@@ -189,7 +206,7 @@ spec:
   nodeSelector:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with .Values.affinity }}
+  {{- with $own.affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -197,8 +214,9 @@ spec:
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with .Values.topologySpreadConstraints }}
+  {{- with $own.topologySpreadConstraints }}
   topologySpreadConstraints:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end }}
 {{- end }}

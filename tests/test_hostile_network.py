@@ -63,36 +63,42 @@ def test_many_concurrent_large_grpc_calls_stay_inside_the_byte_budget(tmp_path: 
             ("grpc.max_send_message_length", 32 * _MiB), ("grpc.enable_retries", 0)]) for _ in range(8)]
         exports = [channel.unary_unary(EXPORT, request_serializer=None, response_deserializer=None)
                    for channel in channels]
-        pending = list(range(calls))
-        done: set[int] = set()
         refusals: dict[str, int] = {}
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 150
         try:
-            while pending and time.monotonic() < deadline:
-                futures: dict[int, Future[bytes]] = {
-                    n: exports[n % len(exports)].future(body, timeout=60) for n in pending}
-                pending = []
-                delay = 0.0
-                for n, future in futures.items():
-                    try:
-                        future.result()
-                        done.add(n)
-                    except grpc.RpcError as error:
-                        code = error.code()
-                        assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED), (
-                            code, error.details())
-                        hint = _retry_delay_s(error)
-                        assert hint is not None, f"{code} without RetryInfo: {error.details()}"
-                        refusals[code.name] = refusals.get(code.name, 0) + 1
-                        delay = max(delay, min(hint, 1.0))
-                        pending.append(n)
-                time.sleep(delay)
+            # Whether 48 calls overlap enough to be refused depends on how fast this machine's serve
+            # takes each: the round is repeated (at most three times) until one is, every call of
+            # every round getting through.
+            for _ in range(3):
+                pending = list(range(calls))
+                done: set[int] = set()
+                while pending and time.monotonic() < deadline:
+                    futures: dict[int, Future[bytes]] = {
+                        n: exports[n % len(exports)].future(body, timeout=60) for n in pending}
+                    pending = []
+                    delay = 0.0
+                    for n, future in futures.items():
+                        try:
+                            future.result()
+                            done.add(n)
+                        except grpc.RpcError as error:
+                            code = error.code()
+                            assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED), (
+                                code, error.details())
+                            hint = _retry_delay_s(error)
+                            assert hint is not None, f"{code} without RetryInfo: {error.details()}"
+                            refusals[code.name] = refusals.get(code.name, 0) + 1
+                            delay = max(delay, min(hint, 1.0))
+                            pending.append(n)
+                    time.sleep(delay)
+                # Nothing lost: every call got through once it retried as told.
+                assert len(done) == calls, (len(done), refusals)
+                if refusals:
+                    break
         finally:
             for channel in channels:
                 channel.close()
         peak = serve.peak_rss_mib()
-    # Nothing lost: every call got through once it retried as told.
-    assert len(done) == calls, (len(done), refusals)
     # The documented bound: the budget, plus what the transport may hold per refused stream (docs/security.md).
     # The documented bound (docs/security.md): three times the budget (gRPC's buffer, the bytes, the parsed
     # message) plus the transport's windows. Before the handler took its bytes first: 85 -> 842 MiB.

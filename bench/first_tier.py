@@ -34,7 +34,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from bench.bench_route import requests as agent_requests
 from bench.live import _wait_ready, free_ports
-from bench.route_latency import _collector_binary, cpu_seconds
+from bench.route_latency import _collector_binary, cpu_seconds, wait_healthy
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,14 +65,7 @@ def one_run(binary: str, batch: list[Any], senders: int) -> tuple[float, float]:
         collector = subprocess.Popen([binary, "--config", str(work / "collector.yaml")], stdout=log, stderr=log,
                                      stdin=subprocess.DEVNULL)
         stack.callback(collector.terminate)
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{health_port}/", timeout=1.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Collector did not become healthy")
-            time.sleep(0.05)
+        wait_healthy(health_port)
         config = copy.deepcopy(yaml.safe_load((_ROOT / "config/first-tier.yaml").read_text(encoding="utf-8")))
         config["receivers"] = {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}",
                                                  "max_recv_msg_size": "16MiB"},

@@ -75,6 +75,20 @@ def _run(n: int, now_ns: int) -> tuple[Any, Any]:
     return _request(child), _request(root)
 
 
+def wait_healthy(health_port: int, timeout_s: float = 30.0) -> None:
+    """Until the Collector's health_check extension answers 200 (bounded)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{health_port}/", timeout=1.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Collector did not become healthy")
+        time.sleep(0.05)
+
+
 def _collector_binary() -> str:
     done = subprocess.run(["bash", str(_ROOT / "deploy/collector/build.sh")], capture_output=True, text=True,
                           timeout=1800, check=True)
@@ -151,16 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         collector = subprocess.Popen([binary, "--config", str(work / "collector.yaml")], stdout=log, stderr=log,
                                      stdin=subprocess.DEVNULL)
         procs.append(collector)
-        import httpx
-
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{health_port}/", timeout=1.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Collector did not become healthy")
-            time.sleep(0.05)
+        wait_healthy(health_port)
 
         sent: dict[str, int] = {}
         channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{collector_port}"))

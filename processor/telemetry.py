@@ -45,6 +45,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Age of the oldest open wait, expired ones included: stuck work made visible."),
     MetricSpec("sessions_evicted", "durable_check_sessions_evicted", "counter",
                "Sessions dropped because the open-session bound was reached."),
+    MetricSpec("sessions_handed_over", "durable_check_sessions_handed_over", "counter",
+               "Sessions this replica handed, with their state, to the replica that asked for them (shared "
+               "PostgreSQL state: the Collector now routes them there)."),
     MetricSpec("state_entries", "durable_check_state_entries", "gauge",
                "Rule groups and delivery keys remembered across all sessions (bounded by "
                "evaluate.max_remembered_entries)."),
@@ -139,6 +142,7 @@ class Telemetry:
     expired_waits: Gauge
     oldest_open_wait_age: Gauge
     sessions_evicted: Counter
+    sessions_handed_over: Counter
     state_entries: Gauge
     state_entries_dropped: Counter
     rule_errors: Counter

@@ -219,6 +219,7 @@ class EvaluatorWorker:
         self._poisoned: _Work | None = None
         self._ticks = 0
         self._last_maintain = 0.0
+        self._handover_due = False
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="durable-check-evaluator", daemon=True)
@@ -797,6 +798,7 @@ class EvaluatorWorker:
         if now - self._last_maintain >= self._options.maintain_interval_s:
             self._last_maintain = now
             try:
+                self._handover_due = True
                 if store.maintain():
                     self._recover("work adopted from a replica that stopped")
                     self._dispatcher.resume()
@@ -810,36 +812,82 @@ class EvaluatorWorker:
             self._evaluate_some()
         if self._pending:
             return
+        if self._handover_due:
+            self._handover_due = False
+            if not self._hand_over_wanted():
+                return
         fresh: list[tuple[int, Violation]] = []
         ahead: list[tuple[int, Violation]] = []
         try:
             with store.unit():
                 violations = self._pipeline.capped(self._pipeline.engine.tick(time.time_ns()))
-                self._pipeline.record_views(self._pipeline.admitted_actions(), violations)
-                if self._ahead:
-                    # As for evaluated requests (_evaluate_some): out before the state is written.
-                    ahead = self._outbox.add_now(violations)
-                    self._dispatcher.hand_over(ahead)
-                else:
-                    self._outbox.add_in_unit(violations, fresh.extend)
-                self._dispatcher.confirmations_in_unit()
+                self._record_in_unit(violations, fresh, ahead)
                 if self._ticks % _PRUNE_EVERY_TICKS == 0:
                     self._outbox.prune_in_unit()
         except StateError as exc:
             self._failed("committing fired deadlines", exc)
             return
-        self._succeeded()
-        self._note(violations)
-        self._dispatcher.hand_over(fresh)
-        self._pipeline.hand_resolutions()
+        self._recorded(violations, fresh, ahead)
         try:
             self._dispatcher.redeliver_overdue()
         except StateError as exc:
             # Only a read: the rows stay pending and are tried again on a later tick.
             self._count_failure(exc)
             log.error("reading undelivered violations failed: %s", exc)
+
+    def _record_in_unit(self, violations: list[Violation], fresh: list[tuple[int, Violation]],
+                        ahead: list[tuple[int, Violation]]) -> None:
+        """Violations found outside a request (the clock, a handover) into the outbox of the open unit."""
+        assert self._outbox is not None and self._dispatcher is not None
+        self._pipeline.record_views(self._pipeline.admitted_actions(), violations)
+        if self._ahead:
+            # As for evaluated requests (_evaluate_some): out before the state is written.
+            ahead.extend(self._outbox.add_now(violations))
+            self._dispatcher.hand_over(ahead)
+        else:
+            self._outbox.add_in_unit(violations, fresh.extend)
+        self._dispatcher.confirmations_in_unit()
+
+    def _recorded(self, violations: list[Violation], fresh: list[tuple[int, Violation]],
+                  ahead: list[tuple[int, Violation]]) -> None:
+        """After the unit of ``_record_in_unit`` committed: what was recorded goes out."""
+        assert self._dispatcher is not None
+        self._succeeded()
+        self._note(violations)
+        self._dispatcher.hand_over(fresh)
+        self._pipeline.hand_resolutions()
         if self._hold is not None:
             self._hold.note(v for _, v in [*ahead, *fresh])
+
+    def _hand_over_wanted(self) -> bool:
+        """Sessions another replica asked for (the Collector now routes them there): evaluate what this
+        replica holds of them and hand them over, with their state, in one unit. False when that failed."""
+        assert self._sql is not None
+        store = self._sql
+        try:
+            wanted = store.wanted_here()
+        except StateError as exc:
+            self._count_failure(exc)
+            log.error("reading the sessions other replicas asked for failed: %s", exc)
+            return True  # asked again at the next maintenance; the clock goes on meanwhile
+        if not wanted:
+            return True
+        fresh: list[tuple[int, Violation]] = []
+        ahead: list[tuple[int, Violation]] = []
+        try:
+            with store.unit():
+                found, going = self._pipeline.engine.hand_over(wanted)
+                violations = self._pipeline.capped(found)
+                self._record_in_unit(violations, fresh, ahead)
+                store.give_in_unit(going)
+        except StateError as exc:
+            self._failed("handing sessions over to the replicas that asked for them", exc)
+            return False
+        self._recorded(violations, fresh, ahead)
+        if going:
+            self._telemetry.sessions_handed_over.inc(len(going))
+            log.info("%d session(s) handed over to the replica(s) the Collector now sends them to", len(going))
+        return True
 
     def _tick_in_memory(self) -> None:
         try:

@@ -40,6 +40,7 @@ from processor.state.sqlite import SqliteStore
 from processor.telemetry import Telemetry
 from tests.collector_support import REPO, Collector, build_collector
 from tests.durable_support import ServeProcess, serve_settings, write_config
+from tests.pg_support import fresh_database, pg_server
 from tests.route_support import (
     NS,
     assert_evaluators_agree_with_replay,
@@ -201,6 +202,7 @@ FIRST_TIERS = 2
 EVALUATORS = 3
 # Workloads sent one after the other through one topology; other seeds by hand (docs/scaling.md):
 # DURABLE_CHECK_TWO_TIER_SEEDS=41,42 python -m pytest tests/test_first_tier.py
+__all__ = ["pg_server"]  # the fixture, used by name
 SEEDS = tuple(int(seed) for seed in os.environ.get("DURABLE_CHECK_TWO_TIER_SEEDS", "31,32").split(","))
 
 
@@ -211,9 +213,15 @@ def otelcol() -> Path:
 
 def two_tier_collector(otelcol: Path, tmp: Path, sessions_port: int, first_tiers: Sequence[ServeProcess],
                        evaluators: Sequence[ServeProcess]) -> Collector:
+    collector = Collector(otelcol, tmp, name="two-tier", metrics_port=free_port())
+    collector.start(two_tier_document(collector, sessions_port, first_tiers, evaluators))
+    return collector
+
+
+def two_tier_document(collector: Collector, sessions_port: int, first_tiers: Sequence[ServeProcess],
+                      evaluators: Sequence[ServeProcess]) -> dict[str, Any]:
     """config/otel-collector-two-tier.yaml as shipped, but for local addresses (static resolvers), short
     retry intervals and no queue on the second hop."""
-    collector = Collector(otelcol, tmp, name="two-tier", metrics_port=free_port())
     shipped = yaml.safe_load(TWO_TIER_CONFIG.read_text(encoding="utf-8"))
     document = copy.deepcopy(shipped)
     document["receivers"]["otlp"]["protocols"] = {"grpc": {"endpoint": collector.endpoint}}
@@ -231,11 +239,11 @@ def two_tier_collector(otelcol: Path, tmp: Path, sessions_port: int, first_tiers
     document["exporters"][BY_SESSION]["sending_queue"] = {"enabled": False}
     assert document["exporters"][BY_TRACE]["routing_key"] == "traceID"
     assert document["exporters"][BY_SESSION]["routing_attributes"] == ["durable.session.id"]
-    collector.start(document)
-    return collector
+    return document
 
 
 def through_first_hop(collector: Collector, spans: int) -> None:
+    """The Collector (since it started) delivered ``spans`` spans to the first tier."""
     wait_until(lambda: collector.sent_spans(BY_TRACE) >= spans, timeout_s=60.0, what=f"{spans} spans to the first tier")
 
 
@@ -256,6 +264,31 @@ def through_both_hops(collector: Collector, spans: int, first_tiers: Sequence[Pa
                what="the first tiers sending on all they took")
 
 
+def topology(tmp_path: Path, evaluate: dict[str, str], states: Sequence[dict[str, Any]],
+             ) -> tuple[list[ServeProcess], list[ServeProcess], list[Path], int]:
+    """Evaluator serves (one per state setting, in e0, e1, ...) and FIRST_TIERS first tiers sending to the
+    Collector's second pipeline, all started: (evaluators, first tiers, their databases, that pipeline's port)."""
+    sessions_port = free_port()
+    evaluators, first_tiers = [], []
+    for n, state in enumerate(states):
+        workdir = tmp_path / f"e{n}"
+        workdir.mkdir()
+        port = free_port()
+        document = serve_settings(workdir, port, state, workdir / "violations.jsonl")
+        document["evaluate"] = evaluate
+        evaluators.append(ServeProcess(write_config(workdir / "serve.yaml", document), port, workdir / "serve.log"))
+    for n in range(FIRST_TIERS):
+        workdir = tmp_path / f"t{n}"
+        workdir.mkdir()
+        port = free_port()
+        document = first_tier_document(workdir, port, f"127.0.0.1:{sessions_port}", evaluate["allowed_lateness"])
+        first_tiers.append(ServeProcess(write_config(workdir / "serve.yaml", document), port, workdir / "serve.log"))
+    databases = [tmp_path / f"t{n}" / "first-tier.db" for n in range(FIRST_TIERS)]
+    for process in [*evaluators, *first_tiers]:
+        process.start()
+    return evaluators, first_tiers, databases, sessions_port
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kill", [False, True], ids=["steady", "first-tier-killed"])
 def test_two_tiers_behind_the_real_collector_find_what_replay_finds(tmp_path: Path, otelcol: Path,
@@ -263,25 +296,9 @@ def test_two_tiers_behind_the_real_collector_find_what_replay_finds(tmp_path: Pa
     lateness_s = 5 if kill else 2
     evaluate = {"tick_interval": "50ms", "allowed_lateness": f"{lateness_s}s"}
     config = serve_config(tmp_path, {"evaluate": evaluate})
-    sessions_port = free_port()
-    evaluators, first_tiers = [], []
-    for n in range(EVALUATORS):
-        workdir = tmp_path / f"e{n}"
-        workdir.mkdir()
-        port = free_port()
-        document = serve_settings(workdir, port, {"backend": "sqlite", "path": str(workdir / "state.db")},
-                                  workdir / "violations.jsonl")
-        document["evaluate"] = evaluate
-        evaluators.append(ServeProcess(write_config(workdir / "serve.yaml", document), port, workdir / "serve.log"))
-    for n in range(FIRST_TIERS):
-        workdir = tmp_path / f"t{n}"
-        workdir.mkdir()
-        port = free_port()
-        document = first_tier_document(workdir, port, f"127.0.0.1:{sessions_port}", f"{lateness_s}s")
-        first_tiers.append(ServeProcess(write_config(workdir / "serve.yaml", document), port, workdir / "serve.log"))
-    databases = [tmp_path / f"t{n}" / "first-tier.db" for n in range(FIRST_TIERS)]
-    for process in [*evaluators, *first_tiers]:
-        process.start()
+    evaluators, first_tiers, databases, sessions_port = topology(
+        tmp_path, evaluate, [{"backend": "sqlite", "path": str(tmp_path / f"e{n}" / "state.db")}
+                             for n in range(EVALUATORS)])
     collector: Collector | None = None
     references: dict[int, set[Key]] = {}
     later_ns = 0
@@ -328,3 +345,71 @@ def test_two_tiers_behind_the_real_collector_find_what_replay_finds(tmp_path: Pa
     assert sum(p.kills for p in first_tiers) == (1 if kill else 0)
     assert_evaluators_agree_with_replay([tmp_path / f"e{n}" / "violations.jsonl" for n in range(EVALUATORS)],
                                         references)
+
+
+# -- the evaluators' ring changes: sessions handed over with their state ----------------------------------
+
+@pytest.mark.slow
+def test_evaluators_added_and_removed_mid_stream_hand_their_sessions_over(tmp_path: Path, otelcol: Path,
+                                                                         pg_server: str) -> None:
+    """The evaluators share PostgreSQL. Halfway through the first workload a fourth evaluator joins the
+    Collector's ring (the Collector restarted with the longer list), halfway through the second it leaves
+    again (still running). Sessions whose spans now route elsewhere are asked for by their new evaluator and
+    handed over by their old one, with what its window held of them: the evaluators together find what
+    ``replay`` finds, no violation twice. The Collector's restart holds up the traces it was routing: with
+    the 5 s allowed lateness of the killed case above, a span waiting at a first tier for its trace's root
+    is still waiting when the root comes (a ring that changes without a restart, as the Kubernetes resolver
+    does, needs no such margin)."""
+    lateness_s = 5
+    evaluate = {"tick_interval": "50ms", "allowed_lateness": f"{lateness_s}s"}
+    config = serve_config(tmp_path, {"evaluate": evaluate})
+    url = fresh_database(pg_server)
+    states = [{"backend": "postgres", "postgres": {"dsn": url, "replica_id": f"e{n}"}} for n in range(EVALUATORS + 1)]
+    evaluators, first_tiers, databases, sessions_port = topology(tmp_path, evaluate, states)
+    collector = Collector(otelcol, tmp_path, name="two-tier", metrics_port=free_port())
+    references: dict[int, set[Key]] = {}
+    later_ns = 0
+    # The ring for each workload's first and second half: the fourth evaluator joins, then leaves.
+    rings = [(evaluators[:EVALUATORS], evaluators), (evaluators, evaluators[:EVALUATORS])]
+    try:
+        for process in [*evaluators, *first_tiers]:
+            process.wait_ready()
+        with grpc.insecure_channel(collector.endpoint) as channel:
+            stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
+            for seed, (before, after) in zip(SEEDS, rings, strict=False):
+                collector.start(two_tier_document(collector, sessions_port, first_tiers, before))
+                sent = 0  # since this Collector started: its own count restarts with it
+                rng = random.Random(seed)
+                start_ns = max(time.time_ns(), later_ns + NS)
+                time.sleep(max(0.0, (start_ns - time.time_ns()) / NS))
+                requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=16, traces=3, steps=3,
+                                                                            start_ns=start_ns)))
+                later_ns = start_ns + (3 + lateness_s) * NS
+                later = later_span(seed, later_ns)
+                references[seed] = replay_keys([*requests, later], config)
+                for index, request in enumerate(requests):
+                    if index == len(requests) // 2:
+                        # Spans still waiting at a first tier for their trace's root stay there: they go
+                        # on once it comes, through the new ring.
+                        through_first_hop(collector, sent)
+                        assert collector.stop() == 0, collector.log()
+                        collector.start(two_tier_document(collector, sessions_port, first_tiers, after))
+                        sent = 0
+                    stub.Export(request, timeout=10.0)
+                    sent += spans_in([request])
+                through_both_hops(collector, sent, databases)
+                stub.Export(later, timeout=10.0)
+                sent += spans_in([later])
+                through_both_hops(collector, sent, databases)
+                assert collector.stop() == 0, collector.log()
+        time.sleep(lateness_s + 2.0)  # the evaluators' reordering window and the waits' deadlines pass
+        assert "Dropping data" not in collector.log()
+    finally:
+        collector.stop()
+        codes = [process.stop() for process in [*first_tiers, *evaluators]]
+    logs = [p.log_path.read_text(errors="replace") for p in evaluators]
+    assert codes == [0] * (FIRST_TIERS + EVALUATORS + 1), "\n".join(p.log() for p in [*first_tiers, *evaluators])
+    assert_evaluators_agree_with_replay([tmp_path / f"e{n}" / "violations.jsonl" for n in range(EVALUATORS + 1)],
+                                        references, sessions_whole=False)
+    handed = sum(log.count("handed over to the replica") for log in logs)
+    assert handed >= 1, "no session changed evaluator with the ring"

@@ -249,7 +249,8 @@ def test_chart_deploys_this_version() -> None:
 
 def test_ci_values_cover_every_mode_and_option() -> None:
     names = {path.stem for path in CI_FILES}
-    assert {"default-values", "postgres-values", "monitoring-values", "tls-values", "first-tier-values"} <= names
+    assert {"default-values", "postgres-values", "monitoring-values", "tls-values", "first-tier-values",
+            "first-tier-postgres-values"} <= names
 
 
 def test_chart_lints() -> None:
@@ -670,6 +671,24 @@ def test_first_tier_is_a_workload_of_its_own_that_no_evaluator_service_selects()
     long = manifests(load_values(FIRST_TIER_VALUES), name="r" * 53)
     names = [(o["kind"], o["metadata"]["name"]) for o in long if o["kind"] in {"Service", "StatefulSet", "ConfigMap"}]
     assert all(len(n) <= 63 for _, n in names) and len(set(names)) == len(names) == 7, names
+
+
+def test_first_tier_in_front_of_evaluators_on_postgres_that_scale() -> None:
+    """The evaluators a Deployment on PostgreSQL (autoscaled, listed by the headless Service the Collector's
+    by-session ring resolves), the first tier a StatefulSet journaling on its own volumes."""
+    values = load_values(CHART / "ci" / "first-tier-postgres-values.yaml")
+    objects = manifests(values, name="durable-check", namespace="durable-check")
+    (tier,) = [w for w in by_kind(objects, "StatefulSet") if first_tier(w)]
+    (evaluators,) = by_kind(objects, "Deployment")
+    assert processor_config(objects)["state"]["backend"] == "postgres"
+    assert _first_tier_config(objects)["state"]["backend"] == "sqlite"
+    assert tier["spec"]["volumeClaimTemplates"]
+    (scaler,) = by_kind(objects, "HorizontalPodAutoscaler")
+    assert scaler["spec"]["scaleTargetRef"]["name"] == evaluators["metadata"]["name"]
+    headless = [s for s in by_kind(objects, "Service") if s["spec"].get("clusterIP") == "None" and not first_tier(s)]
+    assert [s["metadata"]["name"] for s in headless] == ["durable-check-headless"]
+    evaluator_pods = evaluators["spec"]["template"]["metadata"]["labels"]
+    assert _selects(headless[0]["spec"]["selector"], evaluator_pods)
 
 
 def _first_tier_config(objects: list[dict[str, Any]]) -> dict[str, Any]:

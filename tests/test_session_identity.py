@@ -345,3 +345,31 @@ def test_held_spans_survive_a_restart_on_postgres(traced: Any, pg_server: str) -
     again.submit_many(convert([root]))
     assert sessions_of(again) == {"conv-10": {"payment": 1}}
     again_store.close()
+
+
+def test_a_session_is_handed_over_only_once_no_span_waits_for_its_session_here(traced: Any, pg_server: str) -> None:
+    """A span that names no session may belong to the session asked for: it is not left behind at the old owner."""
+    tracer, memory, clock = traced
+    agent_run(tracer, clock, {"gen_ai.operation.name": "invoke_agent", "gen_ai.conversation.id": "conv-1"},
+              [("chat", LLM), ("refund", TOOL)])
+    *children, root = memory.get_finished_spans()
+    url = fresh_database(pg_server)
+    store = PostgresStore(url, replica_id="r1", lease_ttl_s=30.0)
+    checker = engine(store)
+    checker.submit_many(convert(children))
+    with store.unit():
+        assert checker.hand_over(["conv-1"]) == ([], [])
+    # The root names the session: the children join it (the unkeyed refund is judged on acceptance)
+    # and wait in the reordering window with it.
+    accepted = checker.submit_many(convert([root]))
+    assert ("DS002", "conv-1") in {(v.rule, v.session_id) for v in accepted}
+    assert checker.load()[2] == 2
+    with store.unit():
+        _, going = checker.hand_over(["conv-1"])
+    assert going == ["conv-1"]
+    # What the window held of the session was evaluated before it left, and its state written.
+    assert checker.load()[2] == 0
+    assert not checker.holds_session("conv-1")
+    loaded = engine(PostgresStore(url, replica_id="r1", lease_ttl_s=30.0))
+    assert sessions_of(loaded) == {"conv-1": {"llm_call": 1, "payment": 1}}
+    store.close()

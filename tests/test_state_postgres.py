@@ -199,3 +199,55 @@ def test_the_outbox_records_each_violation_of_a_batch_once(pg_server: str) -> No
     ]
     assert store.query("SELECT count(*) FROM outbox")[0][0] == 4
     store.close()
+
+
+def test_a_session_asked_for_by_another_replica_is_handed_over_with_what_its_owner_held(pg_server: str) -> None:
+    """The Collector's ring changed: r2 now gets s1's spans while r1 holds s1 (a long lease). r2's refused
+    request asks for it; r1 evaluates what its window holds of s1, fires none of its timers, and hands it
+    over; r2's next request loads the state, and the wait fires there."""
+    url = fresh_database(pg_server)
+    spans = Spans()
+    one = PostgresStore(url, replica_id="r1", lease_ttl_s=60)
+    two = PostgresStore(url, replica_id="r2", lease_ttl_s=60)
+    assert isinstance(_claim(one, "s1", "s2")[0], int)
+    engine_one = Engine(shipped(), EngineOptions(), one)
+    # The wait (deadline 4 s) is released; the first charge (2 s) is still in the reordering window.
+    engine_one.submit_many([
+        spans(1.0, "s1", workflow_state="awaiting_approval", wait_timeout_s=3, action_id="w1"),
+        spans(2.0, "s1", action_id="c1", kind="payment", result=1, idempotency_key="s1-charge"),
+        spans(6.5, "s2"),
+    ])
+    assert one.wanted_here() == []
+    refused = _claim(two, "s1")[0]
+    assert isinstance(refused, SessionOwnedElsewhere)
+    assert "hands it over" in str(refused)
+    assert one.wanted_here() == ["s1"]
+    assert two.wanted_here() == []
+    with one.unit():
+        found, going = engine_one.hand_over(one.wanted_here())
+        one.give_in_unit(going)
+    assert going == ["s1"]
+    assert found == []
+    assert not engine_one.holds_session("s1")
+    assert one.timer_count() == 0
+    assert _owners(one) == {"s1": "r2", "s2": "r1"}
+    assert one.wanted_here() == []
+    # r1 goes on with s2 past s1's deadline: s1's wait is no longer r1's to fire.
+    assert engine_one.submit_many([spans(20.0, "s2")]) == []
+    # r2's retried request is taken, and the state comes with it: the wait, and the charge held at r1.
+    assert isinstance(_claim(two, "s1")[0], int)
+    assert two.takeover_pending()
+    two.reset()
+    engine_two = Engine(shipped(), EngineOptions(), two)
+    assert two.timer_count() == 1
+    found = engine_two.submit_many([spans(9.0, "s1", action_id="c2", kind="payment", result=1,
+                                          idempotency_key="s1-charge")]) + engine_two.finish()
+    assert ("DS107", "s1", "w1") in fired(found)
+    assert ("DS104", "s1", "c2") in fired(found)
+    assert not two.takeover_pending()
+    # r1's next write of s2 is its own: nothing of s1 is written by r1 any more.
+    engine_one.submit_many([spans(21.0, "s2")])
+    assert _owners(two) == {"s1": "r2", "s2": "r1"}
+    one.close()
+    two.close()
+

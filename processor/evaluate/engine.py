@@ -93,7 +93,7 @@ import sys
 import time
 from bisect import bisect_right, insort
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b as _blake2b
 from itertools import repeat
@@ -1090,7 +1090,9 @@ class Engine:
         self._expire(now)
 
     def _release_one(self, out: list[Violation]) -> int:
-        item = heapq.heappop(self._state.buffer)
+        return self._release_item(heapq.heappop(self._state.buffer), out)
+
+    def _release_item(self, item: _Buffered, out: list[Violation]) -> int:
         if self._state.released is not None:
             self._state.released.append(item.arrival)
         action = item.action
@@ -2004,6 +2006,40 @@ class Engine:
     def remembered_entries(self) -> int:
         """Groups and delivery keys held across all sessions, as of the last batch."""
         return self._entries_total
+
+    def hand_over(self, session_ids: Collection[str]) -> tuple[list[Violation], list[str]]:
+        """Sessions another replica now receives (a shared store): evaluate what is held of them, then let go.
+
+        No later span of theirs comes here, so what the reordering window holds of them is
+        evaluated now, in their own event-time order, and they are written as they stand and
+        dropped from this engine. Their timers are not fired here: they move with the state,
+        and the new owner fires them once it can know the wait was not resolved in time. A
+        session of which the identity stage still holds a span stays (it is asked for again).
+        Returns the violations found and the sessions let go; the caller commits them in one
+        unit with the change of owner.
+        """
+        out: list[Violation] = []
+        held = self._identity.holding(session_ids)
+        going = {sid for sid in session_ids if sid not in held}
+        if not going:
+            return out, []
+        buffer = self._state.buffer
+        theirs = [item for item in buffer if item.action.session_id in going]
+        if theirs:
+            buffer[:] = [item for item in buffer if item.action.session_id not in going]
+            heapq.heapify(buffer)
+            for item in sorted(theirs):
+                self._release_item(item, out)
+        for session_id in going:
+            if session_id in self._sessions:
+                self._dirty.add(session_id)
+        self._end_batch()
+        for session_id in going:
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self._entries_total -= session.entries
+            self._store.forget_timers_of(session_id)
+        return out, sorted(going)
 
     def holds_session(self, session_id: str) -> bool:
         """Whether the session is open here (not yet expired, evicted or ended)."""

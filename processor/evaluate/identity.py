@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from processor.convert.timefmt import format_rfc3339
@@ -381,6 +381,22 @@ class IdentityResolver:
         if state.deferred or deferring:
             out = self._decide_deferred(out, runs)
         return out
+
+    def holding(self, session_ids: Collection[str]) -> set[str]:
+        """Which of these sessions a held span belongs to (one without a session yet may belong to any)."""
+        if not self.state.held:
+            return set()
+        wanted = set(session_ids)
+        found: set[str] = set()
+        for trace in self.state.traces.values():
+            for held in trace.held:
+                links = held.action.links
+                if links is None or not links.session_named:
+                    return wanted  # its session is what its trace will say
+                session = held.action.session_id
+                if session in wanted:
+                    found.add(session)
+        return found
 
     def release_due(self, now_ns: int) -> list[Action]:
         """Serve's clock: what has been held for the allowed lateness of wall time, unresolved."""

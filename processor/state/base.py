@@ -86,6 +86,9 @@ class StateStore(ABC):
     def delete_session(self, session_id: str) -> None:
         """Forget a session and every timer of it."""
 
+    def forget_timers_of(self, session_id: str) -> None:  # noqa: B027 - only a shared store hands sessions over
+        """A session handed to another replica: its timers leave this replica's index (not the shared state)."""
+
     @abstractmethod
     def put_timer(self, entry: TimerEntry) -> None:
         """Set (or move) the timer of ``(session_id, rule_id, group)``."""

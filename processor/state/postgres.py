@@ -8,10 +8,14 @@ Kubernetes). What it owns:
   transaction, the rows locked ``FOR UPDATE``: a session held by another replica whose
   lease has not expired refuses the request ("retry later", and the Collector's
   load-balancing exporter retries it), so two replicas never evaluate one session at
-  once. Every commit that saves a session checks, under the same lock, that this
-  replica still owns it, and renews the lease (``lease_ttl_s``). A session whose lease
-  expired is taken over by the next replica that gets a request for it; that replica
-  loads the session's state as its last owner committed it.
+  once. The refusal also asks the owner for the session (``wanted_by``): the owner,
+  at its next maintenance, evaluates what it holds of it and hands it over
+  (:meth:`PostgresStore.give_in_unit`), so that a session whose spans the Collector
+  now routes elsewhere moves at once, not after its lease lapses. Every commit that
+  saves a session checks, under the same lock, that this replica still owns it, and
+  renews the lease (``lease_ttl_s``). A session whose lease expired is taken over by
+  the next replica that gets a request for it; that replica loads the session's state
+  as its last owner committed it.
 - **Its engine-wide state and journal**, keyed by ``replica_id``.
 - **A heartbeat** in ``replicas(replica_id, lease_until)``, renewed by :meth:`maintain`.
   A replica whose heartbeat expired is dead: the first live replica to notice adopts,
@@ -53,6 +57,11 @@ _OWNERSHIP: Final = (
     "CREATE TABLE IF NOT EXISTS session_owner ("
     " session_id TEXT PRIMARY KEY, replica_id TEXT NOT NULL, lease_until TIMESTAMPTZ NOT NULL)",
     "CREATE INDEX IF NOT EXISTS session_owner_by_replica ON session_owner (replica_id)",
+    # A session another replica now receives (the Collector's ring changed): who asks for it, and
+    # whether it was handed over (its new owner then loads the state its old owner committed).
+    "ALTER TABLE session_owner ADD COLUMN IF NOT EXISTS wanted_by TEXT",
+    "ALTER TABLE session_owner ADD COLUMN IF NOT EXISTS handed BOOLEAN NOT NULL DEFAULT FALSE",
+    "CREATE INDEX IF NOT EXISTS session_owner_wanted ON session_owner (replica_id) WHERE wanted_by IS NOT NULL",
     # A lease ends this many seconds from now, on the database's clock.
     "CREATE OR REPLACE FUNCTION lease_end(seconds double precision) RETURNS timestamptz"
     " AS 'SELECT clock_timestamp() + make_interval(secs => $1)' LANGUAGE sql VOLATILE",
@@ -205,10 +214,11 @@ class PostgresStore(SqlStateStore):
         me = self.replica_id
         ids = sorted(session_ids)
         rows = self.execute(
-            "SELECT session_id, replica_id, lease_until > clock_timestamp() FROM session_owner"
+            "SELECT session_id, replica_id, lease_until > clock_timestamp(), handed FROM session_owner"
             " WHERE session_id = ANY(?) ORDER BY session_id FOR UPDATE", (ids,),
         ).fetchall()
         owners = {str(r[0]): (str(r[1]), bool(r[2])) for r in rows}
+        handed = [str(r[0]) for r in rows if r[3] and str(r[1]) == me]
         unowned: list[str] = []
         renewed: list[str] = []  # in sorted order, as ``ids``
         stopped: dict[str, bool] = {}
@@ -221,8 +231,14 @@ class PostgresStore(SqlStateStore):
             owner, live = found
             if owner != me:
                 if live:
+                    # Asked for, with every other session of the request another live replica holds:
+                    # their owners hand them over at their next maintenance (give_in_unit).
+                    self.execute(
+                        "UPDATE session_owner SET wanted_by = ? WHERE session_id = ANY(?) AND replica_id <> ?"
+                        " AND lease_until > clock_timestamp()", (me, ids, me),
+                    )
                     refused = SessionOwnedElsewhere(
-                        "a session of this request is held by another replica until its lease expires"
+                        "a session of this request is held by another replica until it hands it over"
                     )
                     break
                 if owner not in stopped:
@@ -252,16 +268,46 @@ class PostgresStore(SqlStateStore):
                 claimed = unowned
         if renewed:
             self.execute(
-                "UPDATE session_owner SET replica_id = ?, lease_until = lease_end(?) WHERE session_id = ANY(?)",
-                (me, self.lease_ttl_s, renewed),
+                # A request of its own for a session it now holds is answered.
+                "UPDATE session_owner SET replica_id = ?, lease_until = lease_end(?),"
+                " wanted_by = NULLIF(wanted_by, ?) WHERE session_id = ANY(?)",
+                (me, self.lease_ttl_s, me, renewed),
             )
             if any(owners[sid][0] != me for sid in renewed):
                 self._takeover = True  # a lease that expired under another replica
+        if handed:
+            # Handed over by its last owner: its state is loaded from what that owner committed.
+            self.execute("UPDATE session_owner SET handed = FALSE WHERE session_id = ANY(?)", (handed,))
+            self._takeover = True
         if claimed and not self._takeover and self.execute(
             "SELECT 1 FROM sessions WHERE session_id = ANY(?) LIMIT 1", (claimed,)
         ).fetchone():
             self._takeover = True  # state a replica that stopped left behind
         return refused
+
+    def wanted_here(self) -> list[str]:
+        """Sessions of this replica that another one asked for (its request for them was refused)."""
+        rows = self.query("SELECT session_id FROM session_owner WHERE replica_id = ? AND wanted_by IS NOT NULL"
+                          " AND wanted_by <> replica_id ORDER BY session_id", (self.replica_id,))
+        return [str(r[0]) for r in rows]
+
+    def give_in_unit(self, session_ids: Sequence[str]) -> None:
+        """In the open unit, after their state is written: each session to the replica that asked for it.
+
+        Its new owner's next request for it loads the state (``handed``). A session not asked
+        for any more, or no longer this replica's, stays as it is.
+        """
+        me, ids = self.replica_id, sorted(session_ids)
+
+        def op() -> None:
+            self.execute(
+                "UPDATE session_owner SET replica_id = wanted_by, wanted_by = NULL, handed = TRUE,"
+                " lease_until = lease_end(?) WHERE session_id = ANY(?) AND replica_id = ? AND wanted_by IS NOT NULL"
+                " AND wanted_by <> replica_id",
+                (self.lease_ttl_s, ids, me),
+            )
+
+        self.in_unit(op)
 
     def _claim_all(self, session_ids: Sequence[str]) -> set[str]:
         """Take unowned sessions with a fresh lease, in one statement and in the order given; the

@@ -258,6 +258,17 @@ class SqlStateStore(StateStore):
         """True when sessions were claimed whose state this replica does not hold: rebuild the engine."""
         return False
 
+    def wanted_here(self) -> list[str]:
+        """Sessions of this replica that another replica asked for (a shared store); none with one replica."""
+        return []
+
+    def give_in_unit(self, session_ids: Sequence[str]) -> None:
+        """Hand sessions to the replicas that asked for them, in the open unit (a shared store)."""
+
+    def forget_timers_of(self, session_id: str) -> None:
+        """A session handed to another replica: its timers leave this replica's index, not the database."""
+        self._timer_index.delete_session(session_id)
+
     def insert_outbox_rows(self, rows: Sequence[OutboxRow]) -> dict[str, int]:
         """Insert outbox rows in the open transaction, skipping a violation already recorded (or
         earlier in ``rows``); the seq of each row inserted, by violation id."""

@@ -184,9 +184,6 @@ in a way the schema cannot express.
 {{- fail "config.route.endpoint: would make the evaluators a first tier; run the first tier with firstTier.enabled" }}
 {{- end }}
 {{- if .Values.firstTier.enabled }}
-{{- if ne .Values.mode "statefulset" }}
-{{- fail "firstTier.enabled needs mode=statefulset: the two tiers keep each session at one evaluator with its own embedded state" }}
-{{- end }}
 {{- if not .Values.firstTier.sessionsEndpoint }}
 {{- fail "firstTier.sessionsEndpoint: the Collector's receiver that routes by session (otlp/sessions in config/otel-collector-two-tier.yaml), host:port" }}
 {{- end }}

@@ -413,3 +413,16 @@ def test_evaluators_added_and_removed_mid_stream_hand_their_sessions_over(tmp_pa
                                         references, sessions_whole=False)
     handed = sum(log.count("handed over to the replica") for log in logs)
     assert handed >= 1, "no session changed evaluator with the ring"
+
+
+@pytest.mark.slow
+def test_the_two_tier_benchmark_gets_every_span_to_an_evaluator(otelcol: Path) -> None:
+    """bench.two_tier on a small input: its run ends only once the evaluators took every span."""
+    from bench import two_tier
+    from bench.generate import otlp_requests
+
+    made = list(otlp_requests(4_000, 400))
+    run = two_tier.one_run(str(otelcol), [body for body, _ in made], sum(len(specs) for _, specs in made),
+                           senders=2, first_tiers=1, evaluators=2)
+    assert run.spans == 4_000
+    assert run.first_tier_cpu_s > 0 and run.evaluator_cpu_s > 0 and run.collector_cpu_s > 0

@@ -382,7 +382,7 @@ def test_evaluators_added_and_removed_mid_stream_hand_their_sessions_over(tmp_pa
                 rng = random.Random(seed)
                 start_ns = max(time.time_ns(), later_ns + NS)
                 time.sleep(max(0.0, (start_ns - time.time_ns()) / NS))
-                requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=16, traces=3, steps=3,
+                requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=24, traces=3, steps=3,
                                                                             start_ns=start_ns)))
                 later_ns = start_ns + (3 + lateness_s) * NS
                 later = later_span(seed, later_ns)

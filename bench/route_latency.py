@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import statistics
 import subprocess
@@ -105,6 +104,67 @@ def _serve(work: Path, name: str, config: dict[str, Any], http_port: int) -> sub
     return proc
 
 
+def terminate_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each process still running, and a bounded wait for it."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+
+
+def evaluator_config(work: Path, name: str, grpc_port: int, http_port: int,
+                     metrics_port: int | None = None) -> dict[str, Any]:
+    """An evaluator ``serve`` as shipped (SQLite state) writing its violations to ``<name>.jsonl``."""
+    exporters: dict[str, Any] = {"jsonl": {"path": str(work / f"{name}.jsonl")}}
+    if metrics_port is not None:
+        exporters["prometheus"] = {"endpoint": f"127.0.0.1:{metrics_port}"}
+    return {
+        "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
+                               "http": {"endpoint": f"127.0.0.1:{http_port}"}}},
+        "state": {"backend": "sqlite", "path": str(work / f"{name}.db")},
+        "exporters": exporters,
+    }
+
+
+def first_tier_config(work: Path, name: str, grpc_port: int, http_port: int, sessions_port: int) -> dict[str, Any]:
+    """config/first-tier.yaml as shipped, on local ports, journaling in ``<name>.db``, sending on to the
+    Collector's receiver on ``sessions_port``."""
+    config: dict[str, Any] = yaml.safe_load((_ROOT / "config/first-tier.yaml").read_text(encoding="utf-8"))
+    config["receivers"] = {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
+                                    "http": {"endpoint": f"127.0.0.1:{http_port}"}}}
+    config["state"]["path"] = str(work / f"{name}.db")
+    config["route"]["endpoint"] = f"127.0.0.1:{sessions_port}"
+    config.pop("exporters", None)
+    return config
+
+
+def start_two_tier_collector(binary: str, work: Path, ports: tuple[int, int, int], first_tiers: list[int],
+                             evaluators: list[int], *, max_recv_msg_size_mib: int | None = None,
+                             ) -> subprocess.Popen[bytes]:
+    """config/otel-collector-two-tier.yaml as shipped, for local processes: its receiver, the first tier's
+    receiver and its health check on ``ports``, static resolvers naming the gRPC ports given; healthy."""
+    collector_port, sessions_port, health_port = ports
+    document = yaml.safe_load((_ROOT / "config/otel-collector-two-tier.yaml").read_text(encoding="utf-8"))
+    receiver: dict[str, Any] = {"endpoint": f"127.0.0.1:{collector_port}"}
+    if max_recv_msg_size_mib is not None:
+        receiver["max_recv_msg_size_mib"] = max_recv_msg_size_mib
+    document["receivers"]["otlp"]["protocols"] = {"grpc": receiver}
+    document["receivers"]["otlp/sessions"]["protocols"]["grpc"]["endpoint"] = f"127.0.0.1:{sessions_port}"
+    for name, targets in ((_BY_TRACE, first_tiers), (_BY_SESSION, evaluators)):
+        document["exporters"][name]["resolver"] = {"static": {"hostnames": [f"127.0.0.1:{p}" for p in targets]}}
+    document["extensions"] = {"health_check": {"endpoint": f"127.0.0.1:{health_port}"}}
+    document["service"]["extensions"] = ["health_check"]
+    document["service"]["telemetry"] = {"metrics": {"level": "none"}}
+    (work / "collector.yaml").write_text(yaml.safe_dump(document), encoding="utf-8")
+    log = (work / "collector.log").open("ab")
+    collector = subprocess.Popen([binary, "--config", str(work / "collector.yaml")], stdout=log, stderr=log,
+                                 stdin=subprocess.DEVNULL)
+    log.close()
+    wait_healthy(health_port)
+    return collector
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=300)
@@ -118,54 +178,26 @@ def main(argv: list[str] | None = None) -> int:
         ports = free_ports(2 * (args.evaluators + args.first_tiers) + 3)
         collector_port, sessions_port, health_port = ports[-3:]
         procs: list[subprocess.Popen[bytes]] = []
-
-        def stop_all() -> None:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-
-        stack.callback(stop_all)
+        stack.callback(terminate_all, procs)
         tailers = []
         evaluators, first_tiers = [], []
         for e in range(args.evaluators):
             grpc_port, http_port = ports[2 * e], ports[2 * e + 1]
-            procs.append(_serve(work, f"e{e}", {
-                "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
-                                       "http": {"endpoint": f"127.0.0.1:{http_port}"}}},
-                "state": {"backend": "sqlite", "path": str(work / f"e{e}.db")},
-                "exporters": {"jsonl": {"path": str(work / f"e{e}.jsonl")}},
-            }, http_port))
+            procs.append(_serve(work, f"e{e}", evaluator_config(work, f"e{e}", grpc_port, http_port), http_port))
             evaluators.append(grpc_port)
             tailer = Tailer(work / f"e{e}.jsonl")
             tailer.start()
             tailers.append(tailer)
-        shipped_tier = yaml.safe_load((_ROOT / "config/first-tier.yaml").read_text(encoding="utf-8"))
         tier_pids = []
         for t in range(args.first_tiers):
             grpc_port, http_port = ports[2 * (args.evaluators + t)], ports[2 * (args.evaluators + t) + 1]
-            config = copy.deepcopy(shipped_tier)
-            config["receivers"] = {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
-                                            "http": {"endpoint": f"127.0.0.1:{http_port}"}}}
-            config["state"]["path"] = str(work / f"t{t}.db")
-            config["route"]["endpoint"] = f"127.0.0.1:{sessions_port}"
-            config.pop("exporters", None)
-            procs.append(_serve(work, f"t{t}", config, http_port))
+            procs.append(_serve(work, f"t{t}", first_tier_config(work, f"t{t}", grpc_port, http_port, sessions_port),
+                                http_port))
             tier_pids.append(procs[-1].pid)
             first_tiers.append(grpc_port)
-        document = yaml.safe_load((_ROOT / "config/otel-collector-two-tier.yaml").read_text(encoding="utf-8"))
-        document["receivers"]["otlp"]["protocols"] = {"grpc": {"endpoint": f"127.0.0.1:{collector_port}"}}
-        document["receivers"]["otlp/sessions"]["protocols"]["grpc"]["endpoint"] = f"127.0.0.1:{sessions_port}"
-        for name, targets in ((_BY_TRACE, first_tiers), (_BY_SESSION, evaluators)):
-            document["exporters"][name]["resolver"] = {"static": {"hostnames": [f"127.0.0.1:{p}" for p in targets]}}
-        document["extensions"] = {"health_check": {"endpoint": f"127.0.0.1:{health_port}"}}
-        document["service"]["extensions"] = ["health_check"]
-        document["service"]["telemetry"] = {"metrics": {"level": "none"}}
-        (work / "collector.yaml").write_text(yaml.safe_dump(document), encoding="utf-8")
-        log = (work / "collector.log").open("ab")
-        collector = subprocess.Popen([binary, "--config", str(work / "collector.yaml")], stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL)
+        collector = start_two_tier_collector(binary, work, (collector_port, sessions_port, health_port),
+                                             first_tiers, evaluators)
         procs.append(collector)
-        wait_healthy(health_port)
 
         sent: dict[str, int] = {}
         channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{collector_port}"))

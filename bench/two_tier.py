@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import copy
 import statistics
 import subprocess
 import sys
@@ -36,13 +35,19 @@ from pathlib import Path
 
 import grpc
 import httpx
-import yaml
 
 from bench.generate import otlp_requests
 from bench.live import free_ports
-from bench.route_latency import _BY_SESSION, _BY_TRACE, _collector_binary, _serve, cpu_seconds, wait_healthy
+from bench.route_latency import (
+    _collector_binary,
+    _serve,
+    cpu_seconds,
+    evaluator_config,
+    first_tier_config,
+    start_two_tier_collector,
+    terminate_all,
+)
 
-_ROOT = Path(__file__).resolve().parents[1]
 _TIMEOUT_S = 900.0
 _EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
@@ -76,56 +81,25 @@ def one_run(binary: str, batch: list[bytes], spans: int, *, senders: int, first_
         ports = free_ports(3 * (evaluators + first_tiers) + 3)
         collector_port, sessions_port, health_port = ports[-3:]
         procs: list[subprocess.Popen[bytes]] = []
-
-        def stop_all() -> None:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(30)
-
-        stack.callback(stop_all)
+        stack.callback(terminate_all, procs)
         evaluator_grpc, evaluator_metrics = [], []
         for e in range(evaluators):
             grpc_port, http_port, metrics_port = ports[3 * e:3 * e + 3]
-            procs.append(_serve(work, f"e{e}", {
-                "receivers": {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
-                                       "http": {"endpoint": f"127.0.0.1:{http_port}"}}},
-                "state": {"backend": "sqlite", "path": str(work / f"e{e}.db")},
-                "exporters": {"jsonl": {"path": str(work / f"e{e}.jsonl")},
-                              "prometheus": {"endpoint": f"127.0.0.1:{metrics_port}"}},
-            }, http_port))
+            procs.append(_serve(work, f"e{e}", evaluator_config(work, f"e{e}", grpc_port, http_port, metrics_port),
+                                http_port))
             evaluator_grpc.append(grpc_port)
             evaluator_metrics.append(metrics_port)
         evaluator_pids = [p.pid for p in procs]
-        shipped_tier = yaml.safe_load((_ROOT / "config/first-tier.yaml").read_text(encoding="utf-8"))
         tier_grpc = []
         for t in range(first_tiers):
             grpc_port, http_port, _ = ports[3 * (evaluators + t):3 * (evaluators + t) + 3]
-            config = copy.deepcopy(shipped_tier)
-            config["receivers"] = {"otlp": {"grpc": {"endpoint": f"127.0.0.1:{grpc_port}"},
-                                            "http": {"endpoint": f"127.0.0.1:{http_port}"}}}
-            config["state"]["path"] = str(work / f"t{t}.db")
-            config["route"]["endpoint"] = f"127.0.0.1:{sessions_port}"
-            config.pop("exporters", None)
-            procs.append(_serve(work, f"t{t}", config, http_port))
+            procs.append(_serve(work, f"t{t}", first_tier_config(work, f"t{t}", grpc_port, http_port, sessions_port),
+                                http_port))
             tier_grpc.append(grpc_port)
         tier_pids = [p.pid for p in procs[evaluators:]]
-        document = yaml.safe_load((_ROOT / "config/otel-collector-two-tier.yaml").read_text(encoding="utf-8"))
-        document["receivers"]["otlp"]["protocols"] = {"grpc": {"endpoint": f"127.0.0.1:{collector_port}",
-                                                               "max_recv_msg_size_mib": 16}}
-        document["receivers"]["otlp/sessions"]["protocols"]["grpc"]["endpoint"] = f"127.0.0.1:{sessions_port}"
-        for name, targets in ((_BY_TRACE, tier_grpc), (_BY_SESSION, evaluator_grpc)):
-            document["exporters"][name]["resolver"] = {"static": {"hostnames": [f"127.0.0.1:{p}" for p in targets]}}
-        document["extensions"] = {"health_check": {"endpoint": f"127.0.0.1:{health_port}"}}
-        document["service"]["extensions"] = ["health_check"]
-        document["service"]["telemetry"] = {"metrics": {"level": "none"}}
-        (work / "collector.yaml").write_text(yaml.safe_dump(document), encoding="utf-8")
-        log = (work / "collector.log").open("ab")
-        collector = subprocess.Popen([binary, "--config", str(work / "collector.yaml")], stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL)
+        collector = start_two_tier_collector(binary, work, (collector_port, sessions_port, health_port), tier_grpc,
+                                             evaluator_grpc, max_recv_msg_size_mib=16)
         procs.append(collector)
-        wait_healthy(health_port)
 
         def send(part: list[bytes]) -> None:
             with grpc.insecure_channel(f"127.0.0.1:{collector_port}") as channel:

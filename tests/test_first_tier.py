@@ -264,6 +264,31 @@ def through_both_hops(collector: Collector, spans: int, first_tiers: Sequence[Pa
                what="the first tiers sending on all they took")
 
 
+def workload(seed: int, sessions: int, after_ns: int, lateness_s: int) -> tuple[list[Any], Any, int]:
+    """One workload of ``sessions`` sessions of three traces, starting now and after ``after_ns``: its
+    requests (children before roots, traces interleaved, 1 to 12 spans a request), then a later span of
+    an agent still working, whose event time passes the waits' deadlines, and that span's time."""
+    rng = random.Random(seed)
+    start_ns = max(time.time_ns(), after_ns + NS)
+    time.sleep(max(0.0, (start_ns - time.time_ns()) / NS))
+    requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=sessions, traces=3, steps=3,
+                                                                start_ns=start_ns)))
+    later_ns = start_ns + (3 + lateness_s) * NS
+    return requests, later_span(seed, later_ns), later_ns
+
+
+def send_later(stub: Any, later: Any, collector: Collector, sent: int, databases: Sequence[Path]) -> int:
+    """The workload's later span, once all sent before it is at an evaluator, then delivered too; the
+    spans sent through this Collector. The later span names its session: it must not overtake the
+    workload's spans, which its event time would make late at their evaluator (one watermark per
+    evaluator)."""
+    through_both_hops(collector, sent, databases)
+    stub.Export(later, timeout=10.0)
+    sent += spans_in([later])
+    through_both_hops(collector, sent, databases)
+    return sent
+
+
 def topology(tmp_path: Path, evaluate: dict[str, str], states: Sequence[dict[str, Any]],
              ) -> tuple[list[ServeProcess], list[ServeProcess], list[Path], int]:
     """Evaluator serves (one per state setting, in e0, e1, ...) and FIRST_TIERS first tiers sending to the
@@ -310,14 +335,7 @@ def test_two_tiers_behind_the_real_collector_find_what_replay_finds(tmp_path: Pa
         with grpc.insecure_channel(collector.endpoint) as channel:
             stub = trace_service_pb2_grpc.TraceServiceStub(channel)  # type: ignore[no-untyped-call]
             for seed in SEEDS:
-                rng = random.Random(seed)
-                start_ns = max(time.time_ns(), later_ns + NS)
-                time.sleep(max(0.0, (start_ns - time.time_ns()) / NS))
-                requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=8, traces=3, steps=3,
-                                                                            start_ns=start_ns)))
-                # Agents keep working after these sessions: event time passes their waits' deadlines.
-                later_ns = start_ns + (3 + lateness_s) * NS
-                later = later_span(seed, later_ns)
+                requests, later, later_ns = workload(seed, 8, later_ns, lateness_s)
                 references[seed] = replay_keys([*requests, later], config)
                 for index, request in enumerate(requests):
                     if kill and seed == SEEDS[0] and index == len(requests) // 2:
@@ -328,12 +346,7 @@ def test_two_tiers_behind_the_real_collector_find_what_replay_finds(tmp_path: Pa
                         first_tiers[0].wait_ready()
                     stub.Export(request, timeout=10.0)
                     sent += spans_in([request])
-                # The later span names its session: it must not overtake this workload's spans, which
-                # its event time would make late at their evaluator (one watermark per evaluator).
-                through_both_hops(collector, sent, databases)
-                stub.Export(later, timeout=10.0)
-                sent += spans_in([later])
-                through_both_hops(collector, sent, databases)
+                sent = send_later(stub, later, collector, sent, databases)
         time.sleep(lateness_s + 2.0)  # the evaluators' reordering window and the waits' deadlines pass
         assert collector.stop() == 0, collector.log()
         assert "Dropping data" not in collector.log()
@@ -379,13 +392,7 @@ def test_evaluators_added_and_removed_mid_stream_hand_their_sessions_over(tmp_pa
             for seed, (before, after) in zip(SEEDS, rings, strict=False):
                 collector.start(two_tier_document(collector, sessions_port, first_tiers, before))
                 sent = 0  # since this Collector started: its own count restarts with it
-                rng = random.Random(seed)
-                start_ns = max(time.time_ns(), later_ns + NS)
-                time.sleep(max(0.0, (start_ns - time.time_ns()) / NS))
-                requests = requests_of(rng, interleaved(rng, session_traces(seed, sessions=24, traces=3, steps=3,
-                                                                            start_ns=start_ns)))
-                later_ns = start_ns + (3 + lateness_s) * NS
-                later = later_span(seed, later_ns)
+                requests, later, later_ns = workload(seed, 24, later_ns, lateness_s)
                 references[seed] = replay_keys([*requests, later], config)
                 for index, request in enumerate(requests):
                     if index == len(requests) // 2:
@@ -397,10 +404,7 @@ def test_evaluators_added_and_removed_mid_stream_hand_their_sessions_over(tmp_pa
                         sent = 0
                     stub.Export(request, timeout=10.0)
                     sent += spans_in([request])
-                through_both_hops(collector, sent, databases)
-                stub.Export(later, timeout=10.0)
-                sent += spans_in([later])
-                through_both_hops(collector, sent, databases)
+                send_later(stub, later, collector, sent, databases)
                 assert collector.stop() == 0, collector.log()
         time.sleep(lateness_s + 2.0)  # the evaluators' reordering window and the waits' deadlines pass
         assert "Dropping data" not in collector.log()

@@ -18,9 +18,11 @@ thread that touches the engine and the store. Its loop:
    waited ``evaluate_after_s`` (requests that queue up share one commit). With a journal
    one transaction then commits the engine's state and deletes the entries from the
    journal; the violations are recorded in the outbox in that transaction (a shared
-   store) or, with SQLite, in a small one of their own just before it and handed over at
-   once, so that they do not wait for the state write (a crash in between evaluates the
-   entries again, and the outbox does not record the same violation ids twice).
+   store) or, with SQLite, in small ones of their own, each handed over at once: after
+   every ``hand_out_every_s`` of evaluation and at the chunk's end, so that they wait
+   neither for the rest of a long chunk nor for the state write (a crash in between
+   evaluates the entries again, and the outbox does not record the same violation ids
+   twice).
 4. **Deliver.** With an outbox, new rows are handed to the exporters and a row is
    deleted from ``outbox_pending`` in a later transaction once its exporter confirms
    delivery (the line written, the endpoint's acceptance), not when ``export()``
@@ -133,6 +135,9 @@ class WorkerOptions:
     # waited this long, so that one state commit serves them all; alone, a request is evaluated at once.
     max_evaluate: int = 512
     evaluate_after_s: float = 0.05
+    # With SQLite, a chunk of requests hands its violations out after each stretch of evaluation this long
+    # (and at its end): a finding waits for that stretch, not for the chunk (see _evaluate_some).
+    hand_out_every_s: float = 0.1
     journal_max_bytes: int = 256 * 1024 * 1024
     redeliver_after_s: float = 60.0
     maintain_interval_s: float = 1.0
@@ -584,16 +589,22 @@ class EvaluatorWorker:
         chunk, replay_ends = guarded
         fresh: list[tuple[int, Violation]] = []
         found: list[list[Violation]] = []
+        ahead = self._ahead and self._journal is not None and self._outbox is not None and self._dispatcher is not None
         try:
             with self._unit():
+                out_from = 0  # found[out_from:] is not out yet
+                out_at = time.monotonic() + self._options.hand_out_every_s
                 for work in chunk:
                     found.append(self._evaluate(work))
+                    if ahead and time.monotonic() >= out_at:
+                        # A long chunk hands its violations out as it goes: a finding waits for
+                        # at most this stretch of evaluation, not for the whole chunk.
+                        self._hand_out_ahead(found[out_from:])
+                        out_from = len(found)
+                        out_at = time.monotonic() + self._options.hand_out_every_s
                 if self._journal is not None and self._outbox is not None and self._dispatcher is not None:
-                    if self._ahead:
-                        # The violations first, in a small transaction of their own, and out at once: they need
-                        # not wait for the state, the larger write. A crash before the state commits evaluates
-                        # these requests again, finds the same violation ids, and the outbox records none twice.
-                        self._dispatcher.hand_over(self._outbox.add_now([v for vs in found for v in vs]))
+                    if ahead:
+                        self._hand_out_ahead(found[out_from:])
                     else:
                         self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
                     self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
@@ -642,6 +653,18 @@ class EvaluatorWorker:
                 if work.request is not None:
                     self._hold.add(work.request, now)
                 self._hold.note(violations)
+
+    def _hand_out_ahead(self, found: list[list[Violation]]) -> None:
+        """Violations of evaluated requests into the outbox in a small transaction of their own, and out.
+
+        They need not wait for the state, the larger write. A crash before the state commits
+        evaluates these requests again, finds the same violation ids, and the outbox records
+        none twice (SQLite, where one process owns every session).
+        """
+        assert self._outbox is not None and self._dispatcher is not None
+        violations = [v for vs in found for v in vs]
+        if violations:
+            self._dispatcher.hand_over(self._outbox.add_now(violations))
 
     def _guard_replay(self, chunk: list[_Work]) -> tuple[list[_Work], bool] | None:
         """The part of ``chunk`` to evaluate now, and whether it ends the entries journaled before this start.

@@ -167,6 +167,46 @@ def test_violations_go_out_before_the_state_is_written_and_once_when_that_write_
         reopened.close()
 
 
+@pytest.mark.parametrize("stretch_s", [0.0, 3600.0], ids=["handed-out-per-stretch", "at-the-chunk-end"])
+def test_a_long_chunk_hands_its_first_violations_out_before_its_last_request_is_evaluated(
+    tmp_path: Path, stretch_s: float
+) -> None:
+    """Requests that queued up are evaluated as one chunk; the first one's finding does not wait for the rest."""
+    store = SqliteStore(tmp_path / "state.db")
+    second_started = threading.Event()
+    go_on = threading.Event()
+    with _worker(tmp_path, store, WorkerOptions(hand_out_every_s=stretch_s, linger_s=1.0), tick_s=120.0) as worker:
+        pipeline = worker._pipeline
+        evaluate = pipeline.evaluate
+        calls: list[int] = []
+
+        def held_second(items: Any) -> list[Violation]:
+            calls.append(1)
+            if len(calls) == 2:
+                second_started.set()
+                assert go_on.wait(20.0), "the test never let the second request's evaluation finish"
+            return evaluate(items)
+
+        pipeline.evaluate = held_second  # type: ignore[method-assign]
+        queue = worker.queue_for_test  # type: ignore[attr-defined]
+        # One group (the linger takes both), so one chunk: the second waits behind the first's evaluation.
+        _put(queue, _payment_request("sess-a", "pay-1"))
+        _put(queue, _payment_request("sess-b", "pay-2"))
+        assert second_started.wait(20.0)
+        try:
+            if stretch_s == 0.0:
+                wait_until(lambda: _written(tmp_path, "DS002") == ["pay-1"], timeout_s=20,
+                           what="the first request's DS002 written while the second is evaluated")
+            else:
+                time.sleep(0.5)
+                assert _written(tmp_path, "DS002") == []
+        finally:
+            go_on.set()
+        wait_until(lambda: sorted(_written(tmp_path, "DS002")) == ["pay-1", "pay-2"], timeout_s=20,
+                   what="both violations written, once each")
+        assert calls == [1, 1]
+
+
 def test_serve_freezes_what_it_loaded_and_collects_the_old_generation_rarely() -> None:
     """In a process of its own: the settings are process-wide."""
     code = ("import gc; from processor.gc_pauses import SERVE_THRESHOLDS, settle_for_serving; "

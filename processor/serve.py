@@ -143,7 +143,8 @@ class Server:
                                   flush_window_on_stop=config.evaluate.flush_window_on_stop),
         )
         # The operator view's read model, fed by the pipeline from the first batch: the open-wait gauges
-        # read it whether the view (ui.endpoint) is served or not, so both always say the same.
+        # read it whether the view (ui.endpoint) is served or not, so both always say the same. Not
+        # served, it keeps only the gauges' part (ViewStore.waits_only).
         self.views = views = attach_views(config, pipeline, store)
         WaitGauges(telemetry, views)
         self.ui: UiServer | None = None

@@ -115,6 +115,26 @@ def test_waits_come_and_go_with_the_latest_state(model: Fixture) -> None:
     assert session["actions"] == 3 and session["first_ns"] == T0 and session["last_ns"] == T0 + 7 * S
 
 
+def test_a_read_model_for_the_gauges_alone_keeps_the_same_waits_and_no_actions_or_violations(
+    model: Fixture,
+) -> None:
+    """What serve keeps when the view is not served: the open-wait gauges read the same waits."""
+    model.views.waits_only = True
+    model.record([act("s1", "approve", "approval", "awaiting_approval", 1, wait_timeout_s=5),
+                  act("s2", "call", "external_read", "waiting_on_external", 0.5),
+                  act("s3", "pay", "payment", "executing", 0.7)],
+                 [violation("s3", "pay")])
+    assert waiting(model) == [("s1", "awaiting_approval", True), ("s2", "waiting_on_external", False)]
+    summary = model.views.wait_summary(T0 + 10 * S)
+    assert summary.by_state == {"awaiting_approval": 1, "waiting_on_external": 1}
+    assert summary.expired_by_state == {"awaiting_approval": 1} and summary.oldest_since_ns == T0 + S // 2
+    model.record([act("s1", "approve", "approval", "executing", 7, approval_decision="granted")])
+    assert waiting(model) == [("s2", "waiting_on_external", False)]
+    # No row per action or per violation: that is the view's, and what made it cost.
+    assert model.views.session_actions("s3") == [] and model.views.session_actions("s1") == []
+    assert model.views.violations(ViolationFilter(), 50, 0) == [] and model.views.rule_counts() == []
+
+
 def test_violations_are_kept_once_filtered_and_counted(model: Fixture) -> None:
     model.record([act("s1", "pay", "payment")], [violation("s1", "pay")])
     model.record([], [violation("s1", "pay"), violation("s2", "ask", "DS005", "critical"),
@@ -279,7 +299,8 @@ def test_serve_builds_its_view_with_the_configured_bounds(tmp_path: Path) -> Non
     from tests.serve_support import serve_config
 
     config = serve_config(tmp_path, {"state": {"backend": "memory"},
-                                     "ui": {"max_sessions": 3, "max_actions": MAX_ACTIONS_PER_SESSION}})
+                                     "ui": {"endpoint": "127.0.0.1:0", "max_sessions": 3,
+                                            "max_actions": MAX_ACTIONS_PER_SESSION}})
     pipeline = build_pipeline(config, Telemetry())
     try:
         views = attach_views(config, pipeline, None)
@@ -287,6 +308,11 @@ def test_serve_builds_its_view_with_the_configured_bounds(tmp_path: Path) -> Non
             pipeline.evaluate([act(f"s{i}", f"a{j}", "tool_call", at_s=i * 1000 + j) for j in range(200)])
         assert {f"s{i}": len(views.session_actions(f"s{i}")) for i in range(4)
                 if views.session(f"s{i}") is not None} == {"s2": 200, "s3": 200}
+        assert not views.waits_only
+        # Not served (no ui.endpoint): the same bounds, the gauges' part alone.
+        unserved = attach_views(serve_config(tmp_path, {"state": {"backend": "memory"},
+                                                        "ui": {"max_sessions": 3}}), pipeline, None)
+        assert unserved.waits_only
     finally:
         for exporter in pipeline.exporters:
             exporter.shutdown()

@@ -29,6 +29,8 @@ def attach_views(config: Config, pipeline: Pipeline, store: StateStore | None) -
         views = views_for(store, retention_s=float(config.evaluate.session_idle_timeout), bounds=bounds)
     else:
         views = MemoryViews(bounds)
+    # Not served: only what the open-wait gauges read is kept (ViewStore.waits_only).
+    views.waits_only = not config.ui.endpoint
     pipeline.views = views
     return views
 

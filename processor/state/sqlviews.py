@@ -116,6 +116,18 @@ class SqlViews(ViewStore):
 
     def _write(self, actions: Sequence[Action], violations: Sequence[Violation], now_ns: int) -> None:
         store = self._store
+        if self.waits_only:
+            # Sessions' states and open waits alone (see ViewStore.waits_only).
+            deltas = _deltas(actions, ())
+            if deltas:
+                self._write_sessions(deltas)
+            self._writes += 1
+            if self._writes % self._prune_every == 0:
+                self._prune_sessions(now_ns)
+                self._prune_to_bounds()
+            elif self._added_sessions > self._bounds.max_sessions // 100:
+                self._prune_to_bounds()
+            return
         fresh = self._fresh(violations)
         if fresh:
             store.executemany(
@@ -197,7 +209,7 @@ class SqlViews(ViewStore):
                 first = d.first_ns if first is None else min(int(first), d.first_ns)
                 last = d.last_ns if last is None else max(int(last), d.last_ns or 0)
             n_actions = int(n_actions) + d.actions
-            if n_actions > MAX_ACTIONS_PER_SESSION and d.actions:
+            if n_actions > MAX_ACTIONS_PER_SESSION and d.actions and not self.waits_only:
                 crowded.append(sid)
             if d.state_action is not None and d.state_ns >= int(state_ns):
                 before = str(state)

@@ -189,7 +189,15 @@ class WaitSummary:
 
 
 class ViewStore(ABC):
-    """Writes (from the evaluator's thread) and reads (from the web view's threads) of the read model."""
+    """Writes (from the evaluator's thread) and reads (from the web view's threads) of the read model.
+
+    ``waits_only``: keep only what the open-wait gauges read (each session's latest state and
+    its open wait), not the actions and violations the view's pages list. serve sets it when
+    the view is not served: writing a row per action cost about a third of its evaluator's
+    time (docs/performance.md, "The read model's cost when the view is off").
+    """
+
+    waits_only: bool = False
 
     @abstractmethod
     def record(self, actions: Sequence[Action], violations: Sequence[Violation], now_ns: int) -> None:
@@ -245,6 +253,14 @@ class MemoryViews(ViewStore):
         self._counts: dict[tuple[str, str], int] = {}
 
     def record(self, actions: Sequence[Action], violations: Sequence[Violation], now_ns: int) -> None:
+        if self.waits_only:
+            with self._lock:
+                for d in _deltas(actions, ()).values():
+                    self._apply(d)
+                while len(self._sessions) > self._bounds.max_sessions:
+                    sid, _ = self._sessions.popitem(last=False)
+                    self._waits.pop(sid, None)
+            return
         fresh = [v for v in violations if v.violation_id not in self._seen]
         with self._lock:
             for d in _deltas(actions, fresh).values():

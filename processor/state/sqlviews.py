@@ -116,19 +116,8 @@ class SqlViews(ViewStore):
 
     def _write(self, actions: Sequence[Action], violations: Sequence[Violation], now_ns: int) -> None:
         store = self._store
-        if self.waits_only:
-            # Sessions' states and open waits alone (see ViewStore.waits_only).
-            deltas = _deltas(actions, ())
-            if deltas:
-                self._write_sessions(deltas)
-            self._writes += 1
-            if self._writes % self._prune_every == 0:
-                self._prune_sessions(now_ns)
-                self._prune_to_bounds()
-            elif self._added_sessions > self._bounds.max_sessions // 100:
-                self._prune_to_bounds()
-            return
-        fresh = self._fresh(violations)
+        # waits_only: sessions' states and open waits alone, no row per violation or action.
+        fresh = [] if self.waits_only else self._fresh(violations)
         if fresh:
             store.executemany(
                 "INSERT INTO view_violations (violation_id, session_id, rule, severity, created_ns, body)"
@@ -144,7 +133,8 @@ class SqlViews(ViewStore):
                 " ON CONFLICT (rule, severity) DO UPDATE SET n = view_rule_counts.n + excluded.n",
                 [(rule, severity, n) for (rule, severity), n in counts.items()],
             )
-        if actions:
+        if actions and not self.waits_only:
+            self._added_actions += len(actions)
             store.executemany(
                 "INSERT INTO view_actions (session_id, identity, time_ns, seq, body) VALUES (?, ?, ?, ?, ?)"
                 " ON CONFLICT (session_id, identity) DO NOTHING",
@@ -156,7 +146,6 @@ class SqlViews(ViewStore):
         if deltas:
             self._write_sessions(deltas)
         self._writes += 1
-        self._added_actions += len(actions)
         if self._writes % self._prune_every == 0:
             self._prune_violations()
             self._prune_sessions(now_ns)

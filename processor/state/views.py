@@ -253,19 +253,12 @@ class MemoryViews(ViewStore):
         self._counts: dict[tuple[str, str], int] = {}
 
     def record(self, actions: Sequence[Action], violations: Sequence[Violation], now_ns: int) -> None:
-        if self.waits_only:
-            with self._lock:
-                for d in _deltas(actions, ()).values():
-                    self._apply(d)
-                while len(self._sessions) > self._bounds.max_sessions:
-                    sid, _ = self._sessions.popitem(last=False)
-                    self._waits.pop(sid, None)
-            return
-        fresh = [v for v in violations if v.violation_id not in self._seen]
+        # waits_only: sessions' states and open waits alone, no row per violation or action.
+        fresh = [] if self.waits_only else [v for v in violations if v.violation_id not in self._seen]
         with self._lock:
             for d in _deltas(actions, fresh).values():
                 self._apply(d)
-            for action in actions:
+            for action in () if self.waits_only else actions:
                 kept = self._actions.setdefault(action.session_id, OrderedDict())
                 row = action_row(action)
                 if kept.setdefault(row["identity"], row) is not row:

@@ -599,12 +599,12 @@ class EvaluatorWorker:
                     if ahead and time.monotonic() >= out_at:
                         # A long chunk hands its violations out as it goes: a finding waits for
                         # at most this stretch of evaluation, not for the whole chunk.
-                        self._hand_out_ahead(found[out_from:])
+                        self._hand_out_ahead([v for vs in found[out_from:] for v in vs])
                         out_from = len(found)
                         out_at = time.monotonic() + self._options.hand_out_every_s
                 if self._journal is not None and self._outbox is not None and self._dispatcher is not None:
                     if ahead:
-                        self._hand_out_ahead(found[out_from:])
+                        self._hand_out_ahead([v for vs in found[out_from:] for v in vs])
                     else:
                         self._outbox.add_in_unit([v for vs in found for v in vs], fresh.extend)
                     self._journal.done_in_unit([(w.entry_id, w.size) for w in chunk])
@@ -654,17 +654,19 @@ class EvaluatorWorker:
                     self._hold.add(work.request, now)
                 self._hold.note(violations)
 
-    def _hand_out_ahead(self, found: list[list[Violation]]) -> None:
-        """Violations of evaluated requests into the outbox in a small transaction of their own, and out.
+    def _hand_out_ahead(self, violations: list[Violation]) -> list[tuple[int, Violation]]:
+        """Violations into the outbox in a small transaction of their own, and out; returns the new rows.
 
         They need not wait for the state, the larger write. A crash before the state commits
-        evaluates these requests again, finds the same violation ids, and the outbox records
-        none twice (SQLite, where one process owns every session).
+        evaluates the same requests (or fires the same deadlines) again, finds the same violation
+        ids, and the outbox records none twice (SQLite, where one process owns every session).
         """
         assert self._outbox is not None and self._dispatcher is not None
-        violations = [v for vs in found for v in vs]
-        if violations:
-            self._dispatcher.hand_over(self._outbox.add_now(violations))
+        if not violations:
+            return []
+        rows = self._outbox.add_now(violations)
+        self._dispatcher.hand_over(rows)
+        return rows
 
     def _guard_replay(self, chunk: list[_Work]) -> tuple[list[_Work], bool] | None:
         """The part of ``chunk`` to evaluate now, and whether it ends the entries journaled before this start.
@@ -865,8 +867,7 @@ class EvaluatorWorker:
         self._pipeline.record_views(self._pipeline.admitted_actions(), violations)
         if self._ahead:
             # As for evaluated requests (_evaluate_some): out before the state is written.
-            ahead.extend(self._outbox.add_now(violations))
-            self._dispatcher.hand_over(ahead)
+            ahead.extend(self._hand_out_ahead(violations))
         else:
             self._outbox.add_in_unit(violations, fresh.extend)
         self._dispatcher.confirmations_in_unit()

@@ -188,6 +188,12 @@ class EngineOptions:
     # Bound on groups and delivery keys across all sessions: past it the least recently active
     # sessions forget their oldest, down to 95% of it (see Engine._trim_entries).
     max_remembered_entries: int = 2_000_000
+    # A session idle this long (on the clock idle expiry reads) holds the groups of its
+    # plain-valued rules packed (SessionState.pack), about a fifth of their memory; None: never.
+    pack_idle_after_s: float | None = 60.0
+    # Records between two looks for sessions to pack (at least the number of open sessions);
+    # a look is also due once the clock has moved on by pack_idle_after_s.
+    pack_every_records: int = 16_384
 
     def __post_init__(self) -> None:
         problems = []
@@ -206,6 +212,10 @@ class EngineOptions:
         ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if self.pack_idle_after_s is not None and not self.pack_idle_after_s >= 0:
+            problems.append("pack_idle_after_s must be >= 0")
+        if self.pack_every_records < 1:
+            problems.append("pack_every_records must be >= 1")
         for name in ("max_ended_sessions", "max_fired_waits_per_session"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
@@ -709,6 +719,11 @@ class Engine:
         self._serve = options.mode == "serve"
         self._lateness_ns = round(options.allowed_lateness_s * _NS)
         self._idle_ns = round(options.session_idle_timeout_s * _NS)
+        self._pack_idle_ns = None if options.pack_idle_after_s is None else round(options.pack_idle_after_s * _NS)
+        # actions_seen and the clock at the last look for sessions to pack: a look is due after
+        # enough records, or once the clock moved on by the idle time (a quiet serve's ticks).
+        self._packed_at = 0
+        self._packed_clock = 0
         self._clock = clock
         self._telemetry = telemetry
         self.ruleset = ruleset  # as loaded, for readers such as the operator view (each rule's fix)
@@ -968,6 +983,8 @@ class Engine:
         if session is None:
             session = self._session(session_id)
         else:
+            if session.packed is not None:
+                session.unpack()
             sessions.move_to_end(session_id)
             self._dirty.add(session_id)
         key = action.delivery_key
@@ -1104,6 +1121,8 @@ class Engine:
             self._note_activity(session, action.time_ns)
         else:
             session = found
+            if session.packed is not None:
+                session.unpack()
             if session.buffered > 0:
                 session.buffered -= 1
             self._sessions.move_to_end(session_id)
@@ -1124,6 +1143,8 @@ class Engine:
             session = sessions[session_id] = SessionState(session_id)
             self._deleted.discard(session_id)
         else:
+            if session.packed is not None:
+                session.unpack()
             sessions.move_to_end(session_id)
         self._dirty.add(session_id)
         return session
@@ -1916,6 +1937,12 @@ class Engine:
     def _end_batch(self) -> None:
         store = self._store
         sessions = self._sessions
+        if self._pack_idle_ns is not None and (
+            self._state.counters["actions_seen"] - self._packed_at >= max(self.options.pack_every_records,
+                                                                          len(sessions))
+            or self._pack_clock() - self._packed_clock >= self._pack_idle_ns
+        ):
+            self._pack_idle()
         for session_id in self._deleted:
             store.delete_session(session_id)
         self._deleted.clear()
@@ -1929,6 +1956,32 @@ class Engine:
         store.commit()
         if self._telemetry is not None:
             self._flush_telemetry(self._telemetry)
+
+    def _pack_clock(self) -> int:
+        """The clock idle is measured on: arrivals on the wall clock in serve, event time in replay."""
+        return self._now_ns if self._serve else self._state.max_event_ns
+
+    def _pack_idle(self) -> None:
+        """Pack the groups of the sessions idle for ``pack_idle_after_s`` (SessionState.pack).
+
+        Long-lived sessions are idle most of their life, and what an idle session remembers
+        (every completed action, every key) is most of replay's and serve's memory. A session
+        is unpacked as soon as it is looked up again. Those changed in this batch, and those
+        with spans in the reordering window, are left as they are: they are about to be read.
+        """
+        assert self._pack_idle_ns is not None
+        self._packed_at = self._state.counters["actions_seen"]
+        clock = self._packed_clock = self._pack_clock()
+        horizon = clock - self._pack_idle_ns
+        dirty = self._dirty
+        for session in self._sessions.values():  # least recently active first
+            activity = session.activity_ns
+            if activity is None or session.packed is not None or session.rules is None:
+                continue
+            if activity > horizon:
+                break  # the rest were active later
+            if not session.buffered and session.session_id not in dirty:
+                session.pack()
 
     # -- the global bound on remembered entries -------------------------------------------
 
@@ -1966,6 +2019,8 @@ class Engine:
             gone = session.forget_seen(excess)
             dropped_seen += gone
             excess -= gone
+            if excess > 0 and session.packed is not None:
+                session.unpack()
             rules = session.rules
             if excess > 0 and rules is not None:
                 for index in range(len(rules)):

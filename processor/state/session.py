@@ -454,6 +454,17 @@ _STATE_CLASSES: Final[dict[StateKind, Any]] = {
 }
 
 
+def _slot_pairs(slot: Any) -> Iterable[tuple[GroupKey, Any]]:
+    """A rule's slot as its (key, state) pairs in order: a flat tuple while small, a dict past it."""
+    if type(slot) is tuple:
+        return zip(slot[::2], slot[1::2], strict=True)
+    return cast("dict[GroupKey, Any]", slot).items()
+
+
+# States that are our own objects, never packed (see SessionState.pack).
+_STATE_OBJECTS: Final = (SequenceState, Wait, CountState)
+
+
 class SessionState:
     """One open session.
 
@@ -610,25 +621,25 @@ class SessionState:
         for index, slot in enumerate(rules):
             if slot is None:
                 continue
-            flat = type(slot) is tuple
-            pairs = zip(slot[::2], slot[1::2], strict=True) if flat else slot.items()
             out: list[Any] = []
-            for key, state in pairs:
+            for key, state in _slot_pairs(slot):
+                if isinstance(state, _STATE_OBJECTS):
+                    break  # a slot holds states of one kind: this rule's stay objects
                 out.append(key)
                 if type(state) is tuple and MISSING in state:
                     out.append(tuple(_PACKED_MISSING if v is MISSING else v for v in state))
                 else:
                     out.append(state)
-            try:
-                # A state that is one of our objects (or holds one) is refused: the slot stays.
-                marshal.dumps(out, _MARSHAL_VERSION)
-            except ValueError:
-                continue
-            slots.append((index, (flat, out)))
-            count += len(out) // 2
+            else:
+                slots.append((index, (type(slot) is tuple, out)))
+                count += len(out) // 2
         if not slots:
             return 0
-        self.packed = (marshal.dumps(slots, _MARSHAL_VERSION), count)
+        try:
+            packed = marshal.dumps(slots, _MARSHAL_VERSION)
+        except ValueError:
+            return 0  # a value marshal does not take (none of the plain forms has one): nothing is packed
+        self.packed = (packed, count)
         for index, _ in slots:
             rules[index] = None
         return count
@@ -687,9 +698,7 @@ class SessionState:
         slot = rules[index] if rules is not None else None
         if slot is None:
             return []
-        if type(slot) is tuple:
-            return list(zip(slot[::2], slot[1::2], strict=True))
-        return list(slot.items())
+        return list(_slot_pairs(slot))
 
     def count_kind(self, kind: str) -> tuple[str | int, ...] | None:
         """Count one action of ``kind``; returns the new counts while they are a tuple (the caller
@@ -795,8 +804,7 @@ class SessionState:
                 slot = rules[index]
                 if slot is None:
                     continue
-                pairs = zip(slot[::2], slot[1::2], strict=True) if type(slot) is tuple else slot.items()
-                for key, state in pairs:
+                for key, state in _slot_pairs(slot):
                     if isinstance(state, Wait):
                         out.append((index, key, state))
         return out
@@ -920,7 +928,7 @@ _KeptPlain = dict[int, tuple[tuple[Any, ...], tuple[str, ...], dict[str, Any]]]
 
 def _groups_to_plain(schema: RuleSchema, index: int, slot: Any, kept_plain: _KeptPlain) -> list[list[Any]]:
     """A rule's groups (its slot, not empty) as ``[key, group]`` in their order."""
-    pairs = zip(slot[::2], slot[1::2], strict=True) if type(slot) is tuple else slot.items()
+    pairs = _slot_pairs(slot)
     names = schema.first_names[index]
     kind = schema.kinds[index]
     if kind == "sequence":

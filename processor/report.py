@@ -236,8 +236,7 @@ def write_json(report: Report, out: TextIO, write_violations: Callable[[TextIO],
     if write_violations is not None:
         write_violations(out)
     else:
-        blocks = (json_block([v.to_json() for v in block]) for block in _blocks(report.ordered(), JSON_BLOCK))
-        for piece in _joined(blocks):
+        for piece in _json_pieces(report.ordered()):
             out.write(piece)
     out.write(after)
 
@@ -265,14 +264,18 @@ def json_report_parts(report: Report) -> tuple[str, str | None]:
     return before, after + "\n"
 
 
-def _joined(blocks: Iterable[str]) -> Iterator[str]:
-    """Blocks as pieces of one list's text: a ``",\n"`` between two."""
+def _json_pieces(violations: Iterator[Violation]) -> Iterator[str]:
+    """The violations list's text, a block of violations at a time, a ``",\n"`` between two.
+
+    A generator function, not a generator expression: the compiled build makes a list of a
+    generator expression, which here would hold the whole report's text at once.
+    """
     first = True
-    for block in blocks:
+    for block in _blocks(violations, JSON_BLOCK):
         if not first:
             yield ",\n"
         first = False
-        yield block
+        yield json_block([v.to_json() for v in block])
 
 
 def json_block(objects: list[dict[str, Any]]) -> str:

@@ -8,6 +8,7 @@ decides as documented.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -94,3 +95,35 @@ def test_an_unknown_compile_switch_is_refused_naming_it(tmp_path: Path) -> None:
     result = _wheel(tmp_path, DURABLE_CHECK_COMPILE="sometimes")
     assert result.returncode != 0
     assert "DURABLE_CHECK_COMPILE='sometimes': expected one of" in result.stdout + result.stderr
+
+
+# Calls that read a whole iterable argument at once: a generator expression passed straight to
+# one of them is a list in the compiled build too, with no cost the source does not have.
+_EAGER_CONSUMERS = frozenset({
+    "any", "all", "sum", "tuple", "list", "set", "frozenset", "dict", "sorted", "min", "max",
+    "join", "extend", "update", "array",
+})  # fmt: skip
+
+
+def test_compiled_modules_use_generator_expressions_only_where_they_are_read_at_once() -> None:
+    """mypyc compiles a generator expression to a list: lazily read (a loop over it, a name
+    bound to it, ``next``, an iterator handed on), it would hold all its items at once. Such
+    code is a generator function or a loop in the compiled modules."""
+    found = []
+    for module in _compiled_modules():
+        path = REPO / (module.replace(".", "/") + ".py")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.GeneratorExp):
+                continue
+            parent = parents[node]
+            if isinstance(parent, ast.Starred):
+                continue  # a call's unpacked arguments are read at once by Python itself
+            if isinstance(parent, ast.Call) and node in parent.args:
+                func = parent.func
+                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+                if name in _EAGER_CONSUMERS:
+                    continue
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not found, "generator expressions read lazily in compiled modules:\n" + "\n".join(found)

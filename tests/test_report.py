@@ -6,6 +6,7 @@ import dataclasses
 import io
 import random
 import tempfile
+import tracemalloc
 from collections import Counter
 from collections.abc import Callable
 from typing import TextIO
@@ -13,7 +14,7 @@ from typing import TextIO
 import orjson
 import pytest
 
-from processor.report import Report, copy_utf8, render_json, render_text
+from processor.report import Report, copy_utf8, render_json, render_text, write_json
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import Violation
 
@@ -133,6 +134,37 @@ def test_the_streamed_json_is_the_whole_document_dumped_at_once(count: int) -> N
         assert render_json(report) == orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
     finally:
         report.close()
+
+
+def test_the_json_report_holds_one_block_of_its_text_at_a_time() -> None:
+    """Written as its violations are read back, in both builds (the compiled one makes a list
+    of any generator expression: one that made the blocks held the whole text at once)."""
+    violations = _violations(20_000, seed=5)
+    report = _report(violations, spill_at=50_000)  # held in memory already: read back, it costs nothing new
+
+    class Out:
+        """Counts what is written and samples the traced heap at each write; keeps no text."""
+
+        def __init__(self) -> None:
+            self.written = 0
+            self.peak = 0
+
+        def write(self, text: str) -> int:
+            self.written += len(text)
+            self.peak = max(self.peak, tracemalloc.get_traced_memory()[0])
+            return len(text)
+
+    out = Out()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        write_json(report, out)  # type: ignore[arg-type]  # what write_json calls of a stream: write()
+    finally:
+        tracemalloc.stop()
+        report.close()
+    assert out.written > 5_000_000
+    # A block of 256 violations is about 1/80 of this report's text; held whole, it would all be there.
+    assert out.peak - base < out.written // 8, (out.peak - base, out.written)
 
 
 def test_text_report_counts_by_rule_and_ends_with_the_verdict() -> None:

@@ -69,7 +69,7 @@ def _parse(text: str) -> int | None:
     match = _RFC3339.fullmatch(text)
     if match is None:
         return None
-    year, month, day, hour, minute, second = (int(g) for g in match.group(1, 2, 3, 4, 5, 6))
+    year, month, day, hour, minute, second = map(int, match.group(1, 2, 3, 4, 5, 6))
     if year < 1 or not (1 <= month <= 12 and 1 <= day <= calendar.monthrange(year, month)[1]):
         return None
     # 60 is a leap second; Unix time folds it onto the next second like every parser does.

@@ -50,7 +50,7 @@ def _build_message_class() -> Any:
     proto.ClearField("options")
     for message in proto.message_type:
         _renamed(message)
-    span = next(message for message in proto.message_type if message.name == "Span")
+    (span,) = [message for message in proto.message_type if message.name == "Span"]
     entry = span.nested_type.add()
     entry.name = "AttributesEntry"
     entry.options.map_entry = True
@@ -59,7 +59,7 @@ def _build_message_class() -> Any:
     value = entry.field.add()
     value.name, value.number, value.label, value.type = "value", 2, value.LABEL_OPTIONAL, value.TYPE_MESSAGE
     value.type_name = _ANY_VALUE
-    attributes = next(field for field in span.field if field.name == "attributes")
+    (attributes,) = [field for field in span.field if field.name == "attributes"]
     attributes.type_name = f".{_PACKAGE}.Span.AttributesEntry"
     pool.Add(proto)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_PACKAGE}.TracesData"))

@@ -435,10 +435,11 @@ class IdentityResolver:
             return trace
         if len(traces) >= MAX_TRACES:
             # A trace still holding spans waits for its root: forget one that holds nothing first.
-            victim = next(
-                (tid for tid, t in itertools.islice(traces.items(), _EVICTION_SCAN) if not t.held),
-                next(iter(traces)),
-            )
+            victim = next(iter(traces))
+            for tid, t in itertools.islice(traces.items(), _EVICTION_SCAN):
+                if not t.held:
+                    victim = tid
+                    break
             forgotten = self.state.forget(victim)
             self.state.held -= len(forgotten.held)
             # Released with what it can tell: a forgotten trace cannot answer any more.
@@ -561,10 +562,7 @@ class IdentityResolver:
         for span, offer in trace.offers.items():
             if time_ns is not None and offer.start_ns > time_ns:
                 continue  # asked after the tool ran: not its call
-            index = next(
-                (i for i, (n, _) in enumerate(offer.calls) if n == name and not offer.taken[i]),
-                None,
-            )
+            index = _untaken_call(offer, name)
             if index is None:
                 continue
             closeness = 2 if span == parent else 1 if offer.parent == parent else 0
@@ -979,3 +977,11 @@ def _links_tail(links: list[Any]) -> tuple[int, str, str, str, int]:
     if len(links) < 9:
         return 0, "", "", "", 0
     return int(links[4]), str(links[5]), str(links[6]), str(links[7]), int(links[8])
+
+
+def _untaken_call(offer: _Offer, name: str | None) -> int | None:
+    """The first call of ``name`` the offer holds that no tool span has taken yet."""
+    for i, (n, _) in enumerate(offer.calls):
+        if n == name and not offer.taken[i]:
+            return i
+    return None

@@ -1052,10 +1052,11 @@ def _factored(rules: list[tuple[int, list[Conjunct]]], indent: str) -> list[str]
         group: list[tuple[int, list[Conjunct]]] = []
         rest: list[tuple[int, list[Conjunct]]] = []
         for position, terms in remaining:
-            index = next((i for i, term in enumerate(terms) if term.alone == test), None)
-            if index is None:
+            tested_alone = [term.alone for term in terms]
+            if test not in tested_alone:
                 rest.append((position, terms))
             else:
+                index = tested_alone.index(test)
                 group.append((position, terms[:index] + terms[index + 1 :]))
         out.append(f"{indent}if {test}:")
         out.extend(_factored(group, indent + "    "))

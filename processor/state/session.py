@@ -906,7 +906,7 @@ class SessionState:
         if len(digests) <= SEEN_PACKED_MAX:
             state.seen = b"".join(int(d).to_bytes(8, "big") for d in digests) or None
         else:
-            state.seen = SeenDigests(int(d) for d in digests)
+            state.seen = SeenDigests(map(int, digests))
         state.activity_ns = plain.get("activity_ns")
         fired_plain = plain.get("fired")
         if fired_plain is not None or plain.get("resolved_late"):

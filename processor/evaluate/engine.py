@@ -189,7 +189,7 @@ class EngineOptions:
     # sessions forget their oldest, down to 95% of it (see Engine._trim_entries).
     max_remembered_entries: int = 2_000_000
     # A session idle this long (on the clock idle expiry reads) holds the groups of its
-    # plain-valued rules packed (SessionState.pack), about a fifth of their memory; None: never.
+    # plain-valued rules packed (SessionState.pack), about a seventh of their memory; None: never.
     pack_idle_after_s: float | None = 60.0
     # Records between two looks for sessions to pack (at least the number of open sessions);
     # a look is also due once the clock has moved on by pack_idle_after_s.

@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -65,6 +66,13 @@ def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    # --system-site-packages shows the base interpreter's packages only: when the tests run in
+    # a virtual environment (as the README allows), its packages (the build backend among
+    # them) are shown too, after the new environment's own.
+    (new_site,) = (venv / "lib").glob("python*/site-packages")
+    (new_site / "_running_environment.pth").write_text(
+        "".join(f"{path}\n" for path in dict.fromkeys(site.getsitepackages())), encoding="utf-8"
+    )
     env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
            "PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
            "DURABLE_CHECK_COMPILE": "0"}

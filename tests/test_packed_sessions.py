@@ -121,6 +121,35 @@ def test_an_idle_session_is_packed_and_its_groups_still_judge_its_next_record() 
     assert [(v.rule, v.session_id, v.action_id) for v in out if v.rule == "DS101"] == [("DS101", "quiet", "ask")]
 
 
+def test_an_untimed_log_packs_a_session_once_enough_others_have_had_records_since() -> None:
+    """An action log without times has no idle clock: a session is idle once
+    pack_untimed_after_sessions other sessions have had records after its last one."""
+    engine = Engine(shipped(), EngineOptions(pack_every_records=1, pack_untimed_after_sessions=3))
+
+    def line(n: int, session: str, action_id: str) -> Action:
+        record = log_line(n, session=session, action_id=action_id, kind="user_prompt").record
+        return Action(record, "log", "actions.jsonl", n, None, n)
+
+    engine.submit_many([line(1, "first", "ask")])
+    engine.submit_many([line(2, "second", "ask")])
+    # A look comes every as many records as there are open sessions: the third session's
+    # records are enough for one, when "first" has only two others ("second", "third") after it.
+    for n in range(3, 7):
+        engine.submit_many([line(n, "third", f"t{n}")])
+    assert not _is_packed(engine._sessions["first"])
+    for n in range(7, 11):
+        engine.submit_many([line(n, "fourth", f"f{n}")])
+    # Three others after "first" now; "second" has two.
+    assert _is_packed(engine._sessions["first"])
+    assert not _is_packed(engine._sessions["second"])
+    assert not _is_packed(engine._sessions["third"])
+    assert not _is_packed(engine._sessions["fourth"])
+    out = engine.submit_many([line(11, "first", "ask")])
+    out += engine.finish()
+    assert [(v.rule, v.session_id, v.line) for v in out if v.rule == "DS101"] == [("DS101", "first", 11)]
+    assert not _is_packed(engine._sessions["first"])
+
+
 def test_a_quiet_serve_packs_an_idle_session_on_its_clock_and_reads_it_back() -> None:
     """No record needs to arrive: serve's ticks move the clock, and a look is due once it has
     moved on by the idle time (the first tick releases the span: its session changed then)."""
@@ -182,9 +211,10 @@ def _items(steps: list[dict[str, Any]], source: str) -> list[Action]:
         if source == "span":
             items.append(span(clock - late, session=session, **fields))
         else:
-            # A timed log line: its time is what idle measures.
+            # A timed log line (its time is what idle measures), or one without a time.
             record = log_line(line, session=session, **fields).record
-            items.append(Action(record, "log", "actions.jsonl", line, T0 + round(clock * S), line))
+            time_ns = None if source == "untimed-log" else T0 + round(clock * S)
+            items.append(Action(record, "log", "actions.jsonl", line, time_ns, line))
     return items
 
 
@@ -217,7 +247,8 @@ def _judged(items: list[Action], sizes: list[int], options: EngineOptions, backe
 
 @pytest.mark.parametrize(
     ("source", "lateness_s", "backend"),
-    [("span", 0, "memory"), ("span", 5, "memory"), ("log", 5, "memory"), ("span", 0, "sqlite")],
+    [("span", 0, "memory"), ("span", 5, "memory"), ("log", 5, "memory"), ("untimed-log", 5, "memory"),
+     ("span", 0, "sqlite")],
 )
 @settings(max_examples=80, deadline=None)
 @given(steps=st.lists(_step, min_size=1, max_size=60), sizes=st.lists(st.integers(1, 3), min_size=1, max_size=6))
@@ -230,7 +261,9 @@ def test_an_engine_that_packs_every_idle_session_judges_as_one_that_never_packs(
     packing = _judged(
         _items(steps, source),
         sizes,
-        EngineOptions(allowed_lateness_s=lateness_s, pack_idle_after_s=0, pack_every_records=1),
+        EngineOptions(
+            allowed_lateness_s=lateness_s, pack_idle_after_s=0, pack_every_records=1, pack_untimed_after_sessions=0
+        ),
         backend,
     )
     assert packing == never

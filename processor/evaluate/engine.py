@@ -194,6 +194,9 @@ class EngineOptions:
     # Records between two looks for sessions to pack (at least the number of open sessions);
     # a look is also due once the clock has moved on by pack_idle_after_s.
     pack_every_records: int = 16_384
+    # A session whose records carry no event time (an action log without times) has no idle
+    # clock: it counts as idle once this many other sessions have had records since its last.
+    pack_untimed_after_sessions: int = 1024
 
     def __post_init__(self) -> None:
         problems = []
@@ -216,6 +219,8 @@ class EngineOptions:
             problems.append("pack_idle_after_s must be >= 0")
         if self.pack_every_records < 1:
             problems.append("pack_every_records must be >= 1")
+        if self.pack_untimed_after_sessions < 0:
+            problems.append("pack_untimed_after_sessions must be >= 0")
         for name in ("max_ended_sessions", "max_fired_waits_per_session"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
@@ -1968,17 +1973,24 @@ class Engine:
         (every completed action, every key) is most of replay's and serve's memory. A session
         is unpacked as soon as it is looked up again. Those changed in this batch, and those
         with spans in the reordering window, are left as they are: they are about to be read.
+        A session with no event time (replay of an action log without times) is idle once
+        ``pack_untimed_after_sessions`` other sessions have had records after its last one.
         """
         assert self._pack_idle_ns is not None
         self._packed_at = self._state.counters["actions_seen"]
         clock = self._packed_clock = self._pack_clock()
         horizon = clock - self._pack_idle_ns
+        recent_from = len(self._sessions) - self.options.pack_untimed_after_sessions
         dirty = self._dirty
-        for session in self._sessions.values():  # least recently active first
-            activity = session.activity_ns
-            if activity is None or session.packed is not None or session.rules is None:
+        # Least recently active first: the sessions are in the order of their last record.
+        for position, session in enumerate(self._sessions.values()):
+            if session.packed is not None or session.rules is None:
                 continue
-            if activity > horizon:
+            activity = session.activity_ns
+            if activity is None:
+                if position >= recent_from:
+                    break  # the rest had records later than this many others
+            elif activity > horizon:
                 break  # the rest were active later
             if not session.buffered and session.session_id not in dirty:
                 session.pack()

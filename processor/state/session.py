@@ -24,8 +24,9 @@ and the delivery-key digests of a small session are packed into one ``bytes``.
 
 An idle session may hold the groups of its plain-valued rules (compact sequences, change
 values) *packed*: one marshalled and compressed bytes object instead of a dict, ints and
-tuples per group, about a seventh of the memory (:meth:`SessionState.pack`). The engine packs sessions idle for
-a while and unpacks one as soon as anything reads it; the plain form unpacks first.
+tuples per group, about a seventh of the memory (:meth:`SessionState.pack`). The engine
+packs sessions idle for a while and unpacks one as soon as anything reads it; the plain
+form unpacks first.
 
 Group keys are 64-bit digests of the ``group_by`` values (:func:`group_key`), whatever
 the length of an id; a kept string that a rule only compares for equality may be held
@@ -610,9 +611,9 @@ class SessionState:
 
     def pack(self) -> int:
         """Hold the groups of every rule whose group states are plain values (compact sequence
-        groups' kept fields, change values) as one marshalled bytes object, compressed; returns how many
-        groups were packed (0: none). Wait, count and full sequence states stay as they are:
-        timers and the session's summary read waits, and they change in place.
+        groups' kept fields, change values) as one marshalled bytes object, compressed; returns
+        how many groups were packed (0: none). Wait, count and full sequence states stay as
+        they are: timers and the session's summary read waits, and they change in place.
 
         Nothing reads a packed slot: every method that reads or changes groups unpacks first,
         and the engine unpacks a session as it looks it up. The plain form is unchanged.

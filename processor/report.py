@@ -31,11 +31,15 @@ from processor.records import STDIN_ORIGIN
 from processor.summary import EngineSummary
 from processor.violations import WAIVED, Violation
 
-# Violations held in memory before a sorted run goes to a temporary file.
-SPILL_AT: Final = 20_000
+# Violations held in memory before a sorted run goes to a temporary file. Low: what a replay
+# holds of its report should not be what makes its memory grow with the input.
+SPILL_AT: Final = 4_096
 # A run is written in chunks of this many violations (a length, then the chunk): reading a run
 # back holds one chunk of it.
-_RUN_CHUNK: Final = 1024
+_RUN_CHUNK: Final = 256
+# Runs merged at once. Runs are merged in tiers, this many of one tier into one of the next, so
+# the runs open (and the chunks a merge holds) stay few however many violations the input has.
+_MERGE_FAN_IN: Final = 16
 _CHUNK_LENGTH: Final = struct.Struct("<I")
 # A string no summary holds: where the streamed violations go in the JSON document.
 _VIOLATIONS_MARK: Final = "\x00violations\x00"
@@ -67,7 +71,10 @@ class Report:
         self.waived_by_rule: Counter[str] = Counter()
         self._position = {name: index for index, name in enumerate(self.inputs)}
         self._held: list[Violation] = []
+        # Sorted runs on disk, oldest first, and the tier of each (0: spilled; n + 1: merged from
+        # _MERGE_FAN_IN runs of tier n). Tiers never rise from oldest to newest.
         self._runs: list[IO[bytes]] = []
+        self._tiers: list[int] = []
         self._spill_at = max(1, spill_at)
 
     @property
@@ -110,6 +117,8 @@ class Report:
         held = sorted(self._held, key=self._key)
         if not self._runs:
             return iter(held)
+        while len(self._runs) > _MERGE_FAN_IN:
+            self._merge_last(_MERGE_FAN_IN)
         # heapq.merge takes equal keys from earlier iterables first: runs in the order written, then held.
         return heapq.merge(*(_read_run(run) for run in self._runs), held, key=self._key)
 
@@ -118,6 +127,7 @@ class Report:
         for run in self._runs:
             run.close()
         self._runs.clear()
+        self._tiers.clear()
 
     def _key(self, v: Violation) -> SortKey:
         origin_index = self._position.get(v.origin, len(self._position))
@@ -127,17 +137,50 @@ class Report:
     def _spill(self) -> None:
         held = self._held
         held.sort(key=self._key)
-        # Open until close(): the run is read back when the report is written.
-        run = tempfile.TemporaryFile()  # noqa: SIM115
-        # Each violation's fields as a tuple, a chunk of them marshalled in one call: a third of
-        # what writing JSON objects and parsing them back cost. marshal reads only what this
-        # process wrote, in a file no other process can open (see _read_run).
-        for start in range(0, len(held), _RUN_CHUNK):
-            chunk = marshal.dumps([_fields(v) for v in held[start : start + _RUN_CHUNK]])
-            run.write(_CHUNK_LENGTH.pack(len(chunk)))
-            run.write(chunk)
-        self._runs.append(run)
+        self._runs.append(_write_run(held))
+        self._tiers.append(0)
         held.clear()
+        tiers = self._tiers
+        # The newest _MERGE_FAN_IN runs of one tier become one run of the next.
+        while len(tiers) >= _MERGE_FAN_IN and tiers[-_MERGE_FAN_IN] == tiers[-1]:
+            self._merge_last(_MERGE_FAN_IN)
+
+    def _merge_last(self, count: int) -> None:
+        """Merge the newest ``count`` runs into one, in their place. They are consecutive, and
+        heapq.merge takes equal keys from earlier runs first: ties keep their arrival order."""
+        runs = self._runs[-count:]
+        merged = _write_run(heapq.merge(*map(_read_run, runs), key=self._key))
+        for run in runs:
+            run.close()
+        tier = max(self._tiers[-count:]) + 1
+        del self._runs[-count:]
+        del self._tiers[-count:]
+        self._runs.append(merged)
+        self._tiers.append(tier)
+
+
+def _write_run(violations: Iterable[Violation]) -> IO[bytes]:
+    """A temporary file holding ``violations`` (in their order) as chunks of marshalled fields."""
+    # Open until close(): the run is read back when the report is written.
+    run = tempfile.TemporaryFile()  # noqa: SIM115
+    # Each violation's fields as a tuple, a chunk of them marshalled in one call: a third of
+    # what writing JSON objects and parsing them back cost. marshal reads only what this
+    # process wrote, in a file no other process can open (see _read_run).
+    chunk: list[tuple[Any, ...]] = []
+    for violation in violations:
+        chunk.append(_fields(violation))
+        if len(chunk) == _RUN_CHUNK:
+            _write_chunk(run, chunk)
+            chunk = []
+    if chunk:
+        _write_chunk(run, chunk)
+    return run
+
+
+def _write_chunk(run: IO[bytes], chunk: list[tuple[Any, ...]]) -> None:
+    data = marshal.dumps(chunk)
+    run.write(_CHUNK_LENGTH.pack(len(data)))
+    run.write(data)
 
 
 def _fields(v: Violation) -> tuple[Any, ...]:

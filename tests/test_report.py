@@ -83,7 +83,7 @@ def test_spilled_runs_merge_into_the_order_of_one_sort() -> None:
 
 
 def test_runs_longer_than_a_chunk_merge_in_order() -> None:
-    # Runs are written a chunk of 1,024 violations at a time; these runs hold three chunks.
+    # Runs are written a chunk of 256 violations at a time; these runs hold ten chunks.
     violations = _violations(7_000, seed=4)
     in_memory = _report(violations, spill_at=10_000)
     spilled = _report(violations, spill_at=2_500)
@@ -92,6 +92,26 @@ def test_runs_longer_than_a_chunk_merge_in_order() -> None:
         assert list(spilled.ordered()) == list(in_memory.ordered())
     finally:
         spilled.close()
+
+
+def test_many_runs_merge_in_tiers_into_the_order_of_one_sort() -> None:
+    """Past 16 runs of one tier they are merged into one of the next: the runs open stay few
+    (files, and a chunk of each held while the report is written), and ties keep arrival order."""
+    violations = _violations(3_000, seed=6)
+    in_memory = _report(violations, spill_at=10_000)
+    spilled = _report(violations, spill_at=7)  # 428 runs of 7, one violation held
+    try:
+        # 428 runs of tier 0 are 26 of tier 1 (and 12 left), 1 of tier 2 and 10 of tier 1.
+        assert spilled._tiers == [2] + [1] * 10 + [0] * 12
+        assert len(spilled._held) == 4
+        expected = sorted(violations, key=in_memory._key)
+        assert list(spilled.ordered()) == expected
+        assert len(spilled._runs) <= 16, "writing the report merges down to one fan-in first"
+        assert list(spilled.ordered()) == expected, "a second reading gives the same"
+        assert render_json(spilled) == render_json(in_memory)
+    finally:
+        spilled.close()
+        in_memory.close()
 
 
 def test_a_spilled_violation_keeps_every_field() -> None:

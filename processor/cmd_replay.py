@@ -337,6 +337,7 @@ def _replay(args: argparse.Namespace, pipeline: Pipeline, new_converter: Callabl
             sys.stderr.write(verdict_line(report) + "\n")
     finally:
         report.close()
+        pipeline.engine.close()
     return report.exit_code
 
 

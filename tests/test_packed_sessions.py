@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from processor.evaluate.engine import Engine, EngineOptions
 from processor.records import Action
+from processor.state.cold import ColdFile
 from processor.state.memory import MemoryStore
 from processor.state.session import MISSING, CountState, RuleSchema, SessionState, Wait, value_digest
 from processor.state.sqlite import SqliteStore
@@ -96,6 +97,28 @@ def test_a_packed_session_unpacks_when_a_group_is_read_or_changed_and_drops_its_
     session.pack()
     assert session.get_group(0, 99) == ("new",)
     assert not _is_packed(session)
+
+
+def test_replay_packs_a_sessions_delivery_keys_with_its_groups_and_still_knows_a_duplicate() -> None:
+    """With the file replay keeps (processor.state.cold) the digests leave memory with the
+    groups; asking for one reads them back, and the bound counts the same entries throughout."""
+    cold = ColdFile()
+    try:
+        for digests in (3, 2_000):  # a few in bytes, many in SeenDigests
+            session = _session_with_every_kind_of_group(9)
+            for n in range(digests):
+                session.check_seen(n * 7919, 10_000)
+            session.forget_seen(1)  # SeenDigests then reads its order from a start past 0
+            entries = session.entry_count()
+            plain = orjson.dumps(session.to_plain(SCHEMA), option=orjson.OPT_NON_STR_KEYS)
+            assert session.pack(cold) == 18
+            assert session.seen is None and session.entry_count() == entries
+            assert session.check_seen(7919, 10_000), "remembered while packed"
+            assert not _is_packed(session) and session.entry_count() == entries
+            assert orjson.dumps(session.to_plain(SCHEMA), option=orjson.OPT_NON_STR_KEYS) == plain
+            assert not session.check_seen(0, 10_000), "forgotten before packing, so new again"
+    finally:
+        cold.close()
 
 
 def test_a_session_with_only_waits_and_counts_is_not_packed() -> None:
@@ -194,6 +217,8 @@ _step = st.fixed_dictionaries(
         "status": st.sampled_from(["ok", "ok", "error"]),
         "gap_s": st.sampled_from([0, 0.5, 2, 45, 90, 4000]),
         "late_s": st.sampled_from([0, 0, 0, 3, 8]),
+        # Delivered again: an earlier span (a duplicate delivery) or an earlier line, this many back.
+        "again": st.sampled_from([0, 0, 0, 0, 1, 3, 9]),
     },
     optional=_optional,
 )
@@ -208,6 +233,10 @@ def _items(steps: list[dict[str, Any]], source: str) -> list[Action]:
         session = fields.pop("session")
         clock += fields.pop("gap_s")
         late = fields.pop("late_s")
+        again = fields.pop("again")
+        if again and len(items) >= again:
+            items.append(items[-again])
+            continue
         if source == "span":
             items.append(span(clock - late, session=session, **fields))
         else:

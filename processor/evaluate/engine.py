@@ -117,6 +117,7 @@ from processor.records import (
     bounded_text,
 )
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
+from processor.state.cold import ColdFile
 from processor.state.memory import MemoryStore
 from processor.state.session import (
     MISSING,
@@ -729,6 +730,9 @@ class Engine:
         # enough records, or once the clock moved on by the idle time (a quiet serve's ticks).
         self._packed_at = 0
         self._packed_clock = 0
+        # Replay moves packed groups out of memory into a temporary file (made at the first pack);
+        # serve keeps them: its sessions' groups are in its state store already.
+        self._cold = None if self._serve else ColdFile()
         self._clock = clock
         self._telemetry = telemetry
         self.ruleset = ruleset  # as loaded, for readers such as the operator view (each rule's fix)
@@ -1993,7 +1997,7 @@ class Engine:
             elif activity > horizon:
                 break  # the rest were active later
             if not session.buffered and session.session_id not in dirty:
-                session.pack()
+                session.pack(self._cold)
 
     # -- the global bound on remembered entries -------------------------------------------
 
@@ -2173,6 +2177,11 @@ class Engine:
             # The newest span leaves the window once it has waited the allowed lateness on the clock.
             release_by = state.received[-1][0] + self._lateness_ns
         return EngineLoad(len(self._sessions), state.counters["actions_seen"], len(state.buffer), release_by)
+
+    def close(self) -> None:
+        """Remove the temporary file of idle sessions' groups (replay's; it also goes with the process)."""
+        if self._cold is not None:
+            self._cold.close()
 
     def summary(self) -> EngineSummary:
         """Per session (open ones, then ended ones still remembered) and totals."""

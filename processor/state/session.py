@@ -55,6 +55,8 @@ import orjson
 from xxhash import xxh3_64_digest as _xxh3_bytes
 from xxhash import xxh3_64_intdigest as _xxh3_int
 
+from processor.state.cold import ColdBlob, ColdFile
+
 StateKind = Literal["sequence", "absence", "change", "count"]
 
 # A group key: a scalar, or a tuple of scalars for several group_by expressions.
@@ -387,6 +389,14 @@ class SeenDigests:
         self.sorted = array("Q", sorted(set(self.order)))
         self.start = 0
 
+    @classmethod
+    def from_bytes(cls, order: bytes, members: bytes) -> SeenDigests:
+        """Read back from the machine-order bytes of ``order[start:]`` and ``sorted`` (SessionState.pack)."""
+        digests = cls(())
+        digests.order.frombytes(order)
+        digests.sorted.frombytes(members)
+        return digests
+
     def __len__(self) -> int:
         return len(self.order) - self.start
 
@@ -521,7 +531,9 @@ class SessionState:
         self.changes: dict[int, dict[GroupKey, bool]] | None = None
         # The groups of plain-valued rules, packed while the session is idle (see pack): the
         # marshalled (rule index, slot) pairs, and how many groups they hold. Their slots are None.
-        self.packed: tuple[bytes, int] | None = None
+        # In replay the bytes may be in a temporary file instead (processor.state.cold).
+        # And the entries they hold (groups, digests), and whether the digests are among them.
+        self.packed: tuple[bytes | ColdBlob, int, bool] | None = None
 
     # Groups of one rule live in its slot of ``rules``: None (no group), a flat tuple
     # (key, state, key, state, ...) while there are at most SMALL_GROUPS of them, else a
@@ -609,7 +621,7 @@ class SessionState:
         if len(slot) <= SMALL_GROUPS // 2:
             rules[index] = tuple(x for pair in slot.items() for x in pair) or None
 
-    def pack(self) -> int:
+    def pack(self, cold: ColdFile | None = None) -> int:
         """Hold the groups of every rule whose group states are plain values (compact sequence
         groups' kept fields, change values) as one marshalled bytes object, compressed; returns
         how many groups were packed (0: none). Wait, count and full sequence states stay as
@@ -617,6 +629,8 @@ class SessionState:
 
         Nothing reads a packed slot: every method that reads or changes groups unpacks first,
         and the engine unpacks a session as it looks it up. The plain form is unchanged.
+        With ``cold`` (replay) the bytes go to its file and the session keeps where they are,
+        and its delivery-key digests go with them (the methods that read those unpack first).
         """
         rules = self.rules
         if rules is None or self.packed is not None:
@@ -640,11 +654,26 @@ class SessionState:
                 count += len(out) // 2
         if not slots:
             return 0
+        seen = self.seen if cold is not None else None
+        seen_plain: bytes | tuple[bytes, bytes] | None = None
+        if type(seen) is bytes:
+            seen_plain = seen
+        elif seen is not None:
+            digests = cast(SeenDigests, seen)
+            seen_plain = (digests.order[digests.start :].tobytes(), digests.sorted.tobytes())
         try:
-            packed = marshal.dumps(slots, _MARSHAL_VERSION)
+            packed = marshal.dumps((slots, seen_plain), _MARSHAL_VERSION)
         except ValueError:
             return 0  # a value marshal does not take (none of the plain forms has one): nothing is packed
-        self.packed = (zlib.compress(packed, _PACK_LEVEL), count)
+        compressed = zlib.compress(packed, _PACK_LEVEL)
+        blob = None if cold is None else cold.put(compressed)
+        if blob is None and seen_plain is not None:
+            # The file did not take them: the digests stay as they are, the groups packed in memory.
+            return self.pack()
+        entries = count + (0 if seen is None else self.seen_count())
+        self.packed = (compressed if blob is None else blob, entries, seen_plain is not None)
+        if seen_plain is not None:
+            self.seen = None
         for index, _ in slots:
             rules[index] = None
         return count
@@ -654,11 +683,18 @@ class SessionState:
         packed = self.packed
         if packed is None:
             return
+        held = packed[0]
+        data = held if type(held) is bytes else cast(ColdBlob, held).read()
         self.packed = None
         rules = self.rules
         assert rules is not None
         # Bytes this process marshalled itself (pack); never read from an input or a file.
-        for index, (flat, out) in marshal.loads(zlib.decompress(packed[0])):  # noqa: S302
+        slots, seen_plain = marshal.loads(zlib.decompress(data))  # noqa: S302
+        if type(seen_plain) is bytes:
+            self.seen = seen_plain
+        elif seen_plain is not None:
+            self.seen = SeenDigests.from_bytes(*seen_plain)
+        for index, (flat, out) in slots:
             for at in range(1, len(out), 2):
                 state = out[at]
                 if type(state) is tuple and _PACKED_MISSING in state:
@@ -739,6 +775,8 @@ class SessionState:
 
     def check_seen_packed(self, packed: bytes, limit: int) -> bool:
         """:meth:`check_seen` for a digest already packed in 8 big-endian bytes (the engine's form)."""
+        if self.packed is not None and self.packed[2]:
+            self.unpack()
         seen = self.seen
         if seen is None:
             self.seen = packed
@@ -765,15 +803,19 @@ class SessionState:
             for slot in rules:
                 if slot is not None:
                     count += len(slot) // 2 if type(slot) is tuple else len(slot)
+        return count + self.seen_count()
+
+    def seen_count(self) -> int:
+        """The delivery-key digests held in memory (not those packed with the groups)."""
         seen = self.seen
-        if isinstance(seen, bytes):
-            count += len(seen) // 8
-        elif seen is not None:
-            count += len(seen)
-        return count
+        if seen is None:
+            return 0
+        return len(seen) // 8 if type(seen) is bytes else len(seen)
 
     def forget_seen(self, limit: int) -> int:
         """Forget up to ``limit`` of the oldest delivery-key digests; returns how many went."""
+        if self.packed is not None and self.packed[2]:
+            self.unpack()
         seen = self.seen
         if seen is None or limit <= 0:
             return 0
@@ -788,6 +830,8 @@ class SessionState:
         return gone
 
     def seen_digests(self) -> list[int]:
+        if self.packed is not None and self.packed[2]:
+            self.unpack()
         seen = self.seen
         if seen is None:
             return []

@@ -530,9 +530,9 @@ class SessionState:
         # this order) or False (dropped)}. See track_changes.
         self.changes: dict[int, dict[GroupKey, bool]] | None = None
         # The groups of plain-valued rules, packed while the session is idle (see pack): the
-        # marshalled (rule index, slot) pairs, and how many groups they hold. Their slots are None.
-        # In replay the bytes may be in a temporary file instead (processor.state.cold).
-        # And the entries they hold (groups, digests), and whether the digests are among them.
+        # compressed marshalled (rule index, slot) pairs, or in replay where they are in its
+        # temporary file (processor.state.cold); the entries they hold; whether the session's
+        # delivery-key digests are among them. The packed slots are None.
         self.packed: tuple[bytes | ColdBlob, int, bool] | None = None
 
     # Groups of one rule live in its slot of ``rules``: None (no group), a flat tuple

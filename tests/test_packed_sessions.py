@@ -296,3 +296,22 @@ def test_an_engine_that_packs_every_idle_session_judges_as_one_that_never_packs(
         backend,
     )
     assert packing == never
+
+
+def test_shared_kept_tuples_are_bounded_and_common_ones_still_shared_after_a_new_start() -> None:
+    """The engine shares equal kept-field tuples through a bounded cache that starts over when
+    full: it never pins more than its bound of tuples no group holds any more (their sessions
+    packed or ended), and a tuple many records keep is shared again from its next record."""
+    from processor.evaluate.engine import _KEPT_TUPLES_MAX
+
+    engine = Engine(shipped(), EngineOptions())
+    plan = engine._plan_by_id["DS101"]
+    common = {"session_id": "s", "action_id": "a", "kind": "tool_call", "status": "ok"}
+    for n in range(3 * _KEPT_TUPLES_MAX + 7):
+        engine._kept(plan, {**common, "idempotency_key": f"k{n}"})
+        assert len(engine._kept_cache) <= _KEPT_TUPLES_MAX
+    first = engine._kept(plan, dict(common))
+    again = engine._kept(plan, dict(common))
+    assert first == again and first is again
+    # Started over three times: the last 7 unique tuples, then the common one.
+    assert len(engine._kept_cache) == 8

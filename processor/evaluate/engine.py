@@ -160,6 +160,8 @@ _KNOWN_KINDS: Final = frozenset(NONDETERMINISTIC_KINDS | SIDE_EFFECT_KINDS | {"t
 _MAX_SERVICE_LABELS: Final = 200
 _EVICTION_LOG_INTERVAL_S: Final = 60.0
 _KEPT_CACHE_MAX: Final = 50_000
+# Kept-field tuples shared at once (see Engine._kept).
+_KEPT_TUPLES_MAX: Final = 8192
 _VIEWS_MAX: Final = 1024
 _SHAREABLE_TYPES: Final = frozenset({str, type(None), type(MISSING)})
 _SHAREABLE_DIGESTED: Final = _SHAREABLE_TYPES | {bytes}
@@ -1479,7 +1481,12 @@ class Engine:
             return shared
         # Only strings, null and absent values are shared: (1,) == (True,) == (1.0,), but CEL
         # tells them apart, and a tuple equal to a shared one then has the same types.
-        if len(cache) < _KEPT_CACHE_MAX and all(map(_SHAREABLE_TYPES.__contains__, map(type, kept))):
+        if all(map(_SHAREABLE_TYPES.__contains__, map(type, kept))):
+            if len(cache) >= _KEPT_TUPLES_MAX:
+                # Start over rather than keep the first tuples for the whole run: those no group
+                # holds any more (their sessions packed, ended) would pin their strings; the
+                # common ones are shared again from their next record.
+                cache.clear()
             cache[kept] = kept
         return kept
 

@@ -545,8 +545,9 @@ class EvaluatorWorker:
             if not self._pending:
                 self._pending_since = time.monotonic()
             self._pending.append(_Work(entry_id, len(entry.body), items, batch.request))
-            _resolve(batch, Ack(unconvertible, partial_success_message(rejected, batch.decode_problems)))
+            # Counted before the sender hears of it: whoever reads the count after an answer sees it.
             self.processed_spans += batch.span_count
+            _resolve(batch, Ack(unconvertible, partial_success_message(rejected, batch.decode_problems)))
         if store.takeover_pending():
             # Their state and timers as their last owner committed them (nothing of this replica is pending).
             try:

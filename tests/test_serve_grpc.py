@@ -66,6 +66,30 @@ def test_sdk_grpc_exporter_agent_run_finds_what_replay_finds(tmp_path: Path) -> 
     assert {("DS003", "s-durable-grpc", "call-1"), ("DS005", "s-durable-grpc", "ask-1")} <= found
 
 
+def test_a_journaled_request_is_counted_before_its_sender_hears_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What reads the processed count after an answer (the flood below, serve's status line)
+    sees the request in it, however the worker's thread is scheduled."""
+    import processor.worker as worker_module
+
+    config = serve_config(tmp_path, {"state": {"backend": "sqlite", "path": str(tmp_path / "state.db")}})
+    answered: list[tuple[int, int]] = []
+    resolve = worker_module._resolve
+    with running(config) as server:
+
+        def counted_then_resolved(batch: Any, *args: Any, **kwargs: Any) -> None:
+            answered.append((batch.span_count, server.worker.processed_spans))
+            resolve(batch, *args, **kwargs)
+
+        monkeypatch.setattr(worker_module, "_resolve", counted_then_resolved)
+        for n in range(3):
+            code, _, _ = _raw_export(server.grpc_port, _good_request(action=f"a-{n}").SerializeToString())
+            assert code == grpc.StatusCode.OK
+    assert [spans for spans, _ in answered] == [1, 1, 1]
+    assert [processed for _, processed in answered] == [1, 2, 3]
+
+
 def test_flood_beyond_the_queue_is_delayed_not_lost(tmp_path: Path) -> None:
     config = serve_config(tmp_path, {
         "queue": {"max_requests": 2, "max_spans": 400, "retry_after": "200ms"},

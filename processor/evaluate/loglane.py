@@ -70,6 +70,7 @@ from processor.evaluate.cel._ast import Has, Ident, Index, Literal, Node, Select
 from processor.evaluate.cel._codegen import Conjunct, conjuncts, facts_when_true, is_plain_read
 from processor.evaluate.engine import malformed_violation
 from processor.evaluate.model import MessageTemplate
+from processor.fileio import pwrite_all
 from processor.records import FIELD_TYPES, REQUIRED_FIELDS, Action, Malformed
 from processor.report import (
     CONTROL_ESCAPES,
@@ -677,9 +678,7 @@ class LogLane:
                 chunk = os.pread(into, size, source + offset)
                 if len(chunk) != size:
                     raise OSError(f"the report's file was cut while it was written ({len(chunk)} of {size} bytes)")
-                written = 0
-                while written < size:
-                    written += os.pwrite(out, chunk[written:], target + offset + written)
+                pwrite_all(out, chunk, target + offset)
 
     @staticmethod
     def _violation_json(  # noqa: PLR0917 (the hot path passes positions, not names)

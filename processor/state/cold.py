@@ -21,6 +21,7 @@ import tempfile
 from typing import IO, Final
 
 from processor.errors import StateError
+from processor.fileio import pwrite_all
 
 log = logging.getLogger("durable_check.state")
 
@@ -72,7 +73,7 @@ class ColdFile:
                 self._file = tempfile.TemporaryFile(dir=self._directory)  # noqa: SIM115 (closed by close())
             elif self.dead_bytes > max(self.live_bytes, self._compact_after):
                 self._compact()
-            _write_all(self._file, data, self._end)
+            pwrite_all(self._file.fileno(), data, self._end)
         except OSError as exc:
             # Replay goes on with the bytes in memory (it only uses more of it): said once.
             self._failed = True
@@ -118,7 +119,7 @@ class ColdFile:
                 data = os.pread(old.fileno(), blob.length, blob.offset)
                 if len(data) != blob.length:
                     raise OSError(0, "the file was cut short")
-                _write_all(new, data, end)
+                pwrite_all(new.fileno(), data, end)
                 moved.append((blob, end))
                 end += blob.length
         except BaseException:
@@ -136,11 +137,3 @@ class ColdFile:
 def _offset(blob: ColdBlob) -> int:
     return blob.offset
 
-
-def _write_all(file: IO[bytes], data: bytes, offset: int) -> None:
-    written = 0
-    while written < len(data):
-        count = os.pwrite(file.fileno(), data[written:], offset + written)
-        if count <= 0:
-            raise OSError(0, "nothing was written")
-        written += count

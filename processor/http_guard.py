@@ -17,12 +17,21 @@ in progress (in ``head`` or ``idle``) is closed for the new one, so that slow cl
 cannot keep a prompt one out; a connection is not closed for a newer one in its first
 second until its first bytes have been read. When no open connection can be closed,
 the new one is closed at once. Each kind of closing is logged at most once per interval.
+
+The event loop accepts a burst of connections before it reads any of them, so on a plain
+(not TLS) listener each new connection's waiting bytes are peeked at once, without
+consuming them: part of a head already says what the first read would (the connection may
+be closed for a newer one), and a whole head waiting is a prompt request that is not
+closed before it is read. Otherwise a burst of slow clients, each spared for its first
+second, would leave no room for a prompt request arriving amid them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -40,6 +49,9 @@ _EVICTABLE: Final = ("head", "idle")
 # this long: when many connections are accepted at once, a prompt client among them must
 # have its request read before the later ones take its place.
 _FIRST_BYTES_GRACE_S: Final = 1.0
+# How much of a new connection's waiting bytes is peeked; a longer head counts as part of one.
+_PEEK_BYTES: Final = 8192
+_END_OF_HEAD: Final = re.compile(rb"\n\r?\n")  # h11 accepts bare line feeds too
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,15 +105,22 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._opened = time.monotonic()
         self._heard = False
+        self._whole_head_waiting = False
 
     def evictable(self, now: float) -> bool:
         """No request in progress, and not a new connection whose first bytes are still to be read."""
         if self.phase == "idle":
             return True
-        return self.phase == "head" and (self._heard or now - self._opened >= _FIRST_BYTES_GRACE_S)
+        if self.phase != "head" or self._whole_head_waiting:
+            return False
+        return self._heard or now - self._opened >= _FIRST_BYTES_GRACE_S
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
+        waiting = _peek_waiting(transport)
+        if waiting:
+            self._whole_head_waiting = _END_OF_HEAD.search(waiting) is not None
+            self._heard = not self._whole_head_waiting
         if not self._guard.admit(self):
             self.transport.abort()
             return
@@ -114,6 +133,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._heard = True
+        self._whole_head_waiting = False
         if self.phase == "idle":
             # The first bytes of a next request: its head has header_timeout from now.
             self._enter("head")
@@ -165,3 +185,21 @@ class GuardedH11Protocol(H11Protocol):
             seconds = self._guard.limits.header_timeout_s if phase == "head" else self._guard.limits.body_timeout_s
             self._guard.note(limit, f"no complete {what} within {seconds:g}s; closed")
         self.close()
+
+
+def _peek_waiting(transport: asyncio.BaseTransport) -> bytes:
+    """The bytes already waiting on a plain connection, left in place; b"" when there are none or it is TLS."""
+    if transport.get_extra_info("sslcontext") is not None:
+        return b""  # ciphertext says nothing about the head
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return b""
+    # asyncio's socket wrapper offers no recv; a second socket object on the same descriptor
+    # peeks and is detached, so the descriptor stays the transport's.
+    peek = socket.socket(fileno=sock.fileno())
+    try:
+        return peek.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return b""
+    finally:
+        peek.detach()

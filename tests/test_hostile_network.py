@@ -5,7 +5,9 @@ Each test runs a real serve subprocess on loopback and real clients against it.
 
 from __future__ import annotations
 
+import contextlib
 import resource
+import signal
 import socket
 import threading
 import time
@@ -283,3 +285,40 @@ def test_a_grpc_call_holds_its_bytes_until_its_message_arrives_and_no_longer_tha
         # Its bytes were given back: the next call goes through.
         export(small, timeout=5)
     assert "Traceback" not in serve.log_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("listener", ["receiver", "metrics"])
+def test_a_prompt_request_amid_a_burst_of_slow_connections_is_answered(tmp_path: Path, listener: str) -> None:
+    """A burst accepted before any of it is read: the slow heads make room, the whole head is answered.
+
+    serve is stopped while 40 connections send half a head and one more sends a whole request,
+    so that the event loop accepts them all in one go when it resumes; the listener keeps 8.
+    """
+    def eight() -> dict[str, Any]:
+        return {"connections": {"max_open": 8}}
+    with serve_process(tmp_path, {"http": eight()}, extra={"exporters": {"prometheus": eight()}}) as serve:
+        port, path = {"receiver": (serve.http_port, "/healthz"), "metrics": (serve.metrics_port, "/metrics")}[listener]
+        serve.proc.send_signal(signal.SIGSTOP)
+        held: list[socket.socket] = []
+        try:
+            held = [_open(port, b"GET /healthz HTTP/1.1\r\n") for _ in range(40)]
+            prompt = _open(port, f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            held.append(prompt)
+        finally:
+            serve.proc.send_signal(signal.SIGCONT)
+        try:
+            prompt.settimeout(10)
+            answer = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := prompt.recv(65536):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+            # The slow ones were closed for it and for each other, not kept past the cap.
+            assert sum(_closed_by_peer(conn, 0.5) for conn in held[:-1]) >= 40 - 8
+        finally:
+            for conn in held:
+                conn.close()
+    log = serve.log_text()
+    assert "Traceback" not in log, log[-3000:]

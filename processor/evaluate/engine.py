@@ -99,10 +99,10 @@ from hashlib import blake2b as _blake2b
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, Protocol, cast
 
-from xxhash import xxh3_128_intdigest as _xxh3_128
+from xxhash import xxh3_128_digest as _xxh3_128
 
 from processor.errors import EvaluationError
-from processor.evaluate.cel import CompiledExpression
+from processor.evaluate.cel import CompiledExpression, references_when
 from processor.evaluate.identity import IdentityResolver, IdentityState
 from processor.evaluate.kept_digests import equality_only_fields
 from processor.evaluate.model import Rule, RuleSet
@@ -118,6 +118,7 @@ from processor.records import (
 )
 from processor.state.base import EngineStateLike, StateStore, TimerEntry
 from processor.state.cold import ColdFile
+from processor.state.file_ids import FileIds
 from processor.state.memory import MemoryStore
 from processor.state.session import (
     MISSING,
@@ -245,6 +246,7 @@ class _Plan:
         "deadline",
         "digest_at",
         "field",
+        "file_reads",
         "file_scope",
         "first",
         "first_fn",
@@ -257,6 +259,7 @@ class _Plan:
         "kind",
         "name",
         "needs_prov",
+        "read_file_kept",
         "read_kept",
         "report_first",
         "rule",
@@ -328,11 +331,51 @@ class _Plan:
                 digestible = equality_only_fields(rule.then.source) - rendered - _ENUMERATED_FIELDS
         self.digest_at = tuple(i for i, name in enumerate(self.first_names) if name in digestible)
         self.file_scope = rule.log_scope == "file"
+        # A file-scope group holds action-log lines alone: a field ``then`` and the message read
+        # only on spans is not kept there (DS009 keeps a line's kind, not its input fingerprint),
+        # so the tuples it keeps are few and shared.
+        self.read_file_kept = self.read_kept
+        # The kept fields read there (None: all of them).
+        self.file_reads: frozenset[str] | None = None
+        if self.file_scope and "*" not in kept:
+            read = _first_fields_read_on_logs(rule)
+            if read is not None and not set(self.first_names) <= read:
+                self.file_reads = read
+                self.read_file_kept = _kept_reader(self.first_names, read)
 
 
-def _kept_reader(names: tuple[str, ...]) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
+def _first_fields_read_on_logs(rule: Rule) -> frozenset[str] | None:
+    """The fields of ``first`` that ``then`` and the message can read on an action-log line; None: all."""
+    expressions = [rule.then, *(p for p in rule.message.parts if not isinstance(p, str))]
+    read: set[str] = set()
+    for expression in expressions:
+        if expression is None:
+            continue
+        if expression.tree is None:
+            return None
+        references = references_when(expression.tree, expression.constants, _ON_LOGS)
+        fields = {f for v, f in references if v == "first"}
+        if "*" in fields:
+            return None
+        read |= fields
+    return frozenset(read)
+
+
+_ON_LOGS: Final = {("meta", "source"): "log"}
+# A key no record has (a record's keys are strings).
+_NO_FIELD: Final = object()
+
+
+def _kept_reader(
+    names: tuple[str, ...], only: frozenset[str] | None = None
+) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
     """``record`` -> the values of ``names`` (MISSING where absent): rules keep one to three fields,
-    read here without the iterators a general ``tuple(map(...))`` builds for every opened group."""
+    read here without the iterators a general ``tuple(map(...))`` builds for every opened group.
+
+    With ``only``, a name not in it reads as MISSING whatever the record holds: it is read under a
+    key no record has (records are dicts of string keys)."""
+    if only is not None:
+        names = tuple(name if name in only else cast(str, _NO_FIELD) for name in names)
     if len(names) == 1:
         (a,) = names
         return lambda r: (r.get(a, MISSING),)
@@ -604,8 +647,8 @@ def _delivery_digest(key: tuple[str, str, int]) -> bytes:
     return _blake2b(raw, digest_size=8).digest()
 
 
-def _file_digest(origin: str, action_id: str) -> int:
-    """A remembered (file, action id) pair as a 128-bit int, whatever the length of the id.
+def _file_digest(origin: str, action_id: str) -> bytes:
+    """A remembered (file, action id) pair as 16 bytes, whatever the length of the id.
 
     128 bits, not the 64 of a session's group keys: one file may name many millions of ids.
     """
@@ -788,7 +831,7 @@ class Engine:
         # file across its sessions, keyed by a fixed-size digest of (file, action id). Replay
         # only reads logs; this state is not the store's (a span never touches it).
         self._file_plans = tuple(p for p in self._stateful_plans if p.file_scope)
-        self._file_groups: dict[int, dict[int, tuple[Any, ...]]] = {p.index: {} for p in self._file_plans}
+        self._file_groups: dict[int, FileIds] = {p.index: FileIds() for p in self._file_plans}
         self._no_kept: dict[int, tuple[Any, ...]] = {p.index: (MISSING,) * len(p.first_names) for p in self._file_plans}
         kinds = [cast(StateKind, p.kind) for p in self._stateful_plans]
         self.schema = RuleSchema(
@@ -1462,7 +1505,10 @@ class Engine:
             return False
 
     def _kept(self, plan: _Plan, record: Mapping[str, Any]) -> tuple[Any, ...]:
-        kept = plan.read_kept(record)
+        return self._shared(plan, plan.read_kept(record))
+
+    def _shared(self, plan: _Plan, kept: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``kept`` as it is held: long strings ``then`` only compares digested, common tuples shared."""
         if plan.digest_at:
             digested = _digest_kept(kept, plan.digest_at)
             if digested is not kept:
@@ -1607,7 +1653,7 @@ class Engine:
                 act["first"] = _EMPTY
             return
         if first_possible and self._predicate(plan, plan.first, act, "first"):
-            groups[digest] = self._kept(plan, action.record)
+            groups.put(digest, self._shared(plan, plan.read_file_kept(action.record)))
 
     def _absence(
         self,

@@ -501,7 +501,11 @@ class LogLane:
                     self._views[number] = view
             return
         if plan.first is not None and self._holds(plan, plan.first, record, None, line=line, t=t, where="first"):
-            groups[key] = tuple(record.get(name, _MISSING_KEPT) for name in plan.first_names)
+            reads = plan.file_reads
+            groups[key] = tuple(
+                record.get(name, _MISSING_KEPT) if reads is None or name in reads else _MISSING_KEPT
+                for name in plan.first_names
+            )
 
     def _holds(
         self,
@@ -892,7 +896,10 @@ def _generate(
         condition_code, first_code, then_code = codes
         names = plan.first_names
         helpers[f"_view{position}"] = _view_maker(names)
-        kept = "(" + "".join(f"{_kept_read(record, name)}, " for name in names) + ")"
+        reads = plan.file_reads
+        kept = "(" + "".join(
+            f"{_kept_read(record, name) if reads is None or name in reads else '_M'}, " for name in names
+        ) + ")"
         lines = [
             f"found = _g{position}.get(key)",
             "if found is not None:",

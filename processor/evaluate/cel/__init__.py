@@ -92,6 +92,7 @@ from processor.evaluate.cel._compiler import Compiler, always_bool
 from processor.evaluate.cel._cost import BudgetExceeded, CostLimits, estimate_cost
 from processor.evaluate.cel._environment import Environment
 from processor.evaluate.cel._guards import Guard, extract_guard, field_path
+from processor.evaluate.cel._liveness import references_when
 from processor.evaluate.cel._parser import parse
 from processor.evaluate.cel._values import UInt
 
@@ -111,6 +112,7 @@ __all__ = [
     "Unsupported",
     "compile_expression",
     "python_source",
+    "references_when",
 ]
 
 

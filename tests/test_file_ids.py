@@ -1,0 +1,127 @@
+"""The compact store of a replay's action ids (log_scope: file rules), against a dict, and what it holds."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from processor.evaluate.cel import Environment, compile_expression, references_when
+from processor.evaluate.engine import Engine, EngineOptions
+from processor.state.file_ids import FileIds
+from processor.state.session import MISSING
+from tests._engine_util import log_line, shipped
+
+
+def _digest(rng: random.Random, prefix: bytes = b"") -> bytes:
+    return prefix + rng.randbytes(16 - len(prefix))
+
+
+def test_it_answers_as_a_dict_would_for_every_kind_of_kept_tuple() -> None:
+    rng = random.Random(7)
+    kinds: list[tuple[Any, ...]] = [("llm_call", MISSING), ("payment", None), (b"\x01" * 8, "x"), (MISSING,),
+                                    (1,), (True,), (1.0,), ([1, 2],), ({"a": 1},), (-0.0, "s")]
+    store, reference = FileIds(), {}
+    # Crowded buckets (a few first bytes) as well as spread ones.
+    prefixes = [b"", b"\x00\x00", b"\xff\x01"]
+    for _ in range(20_000):
+        digest = _digest(rng, rng.choice(prefixes))
+        if digest in reference:
+            continue
+        kept = rng.choice(kinds)
+        store.put(digest, kept)
+        reference[digest] = kept
+    assert len(store) == len(reference)
+    for digest, kept in reference.items():
+        found = store.get(digest)
+        assert found == kept and [type(v) for v in found] == [type(v) for v in kept], (digest, found, kept)
+    for _ in range(5_000):
+        digest = _digest(rng, rng.choice(prefixes))
+        assert store.get(digest) is reference.get(digest)
+
+
+def test_bytes_that_straddle_two_entries_are_not_an_id() -> None:
+    store = FileIds()
+    first, second = b"\x07\x07" + bytes(range(1, 15)), b"\x07\x07" + bytes(range(101, 115))
+    store.put(first, ("a",))
+    store.put(second, ("b",))
+    bucket = store._buckets[0x0707]
+    assert bucket is not None and len(bucket) == 32
+    # The bucket's bytes from 8 on: the end of the first entry, its tuple number, the start of the second.
+    straddling = b"\x07\x07" + bytes(bucket[8:22])
+    assert store.get(straddling) is None
+    # Once it is an id of its own, it is found at its entry.
+    store.put(straddling, ("c",))
+    assert (store.get(first), store.get(second), store.get(straddling)) == (("a",), ("b",), ("c",))
+    store.setdefault(first, ("z",))
+    assert store.get(first) == ("a",) and len(store) == 3
+
+
+def test_past_the_numbered_tuples_ids_still_keep_their_own() -> None:
+    store = FileIds()
+    rng = random.Random(3)
+    digests = [_digest(rng) for _ in range(70_000)]
+    for n, digest in enumerate(digests):
+        store.put(digest, (f"kind-{n}",))
+    assert all(store.get(d) == (f"kind-{n}",) for n, d in enumerate(digests))
+    with pytest.raises(ValueError, match="16 bytes"):
+        store.put(b"short", ("a",))
+
+
+def test_an_id_takes_about_twenty_bytes_not_a_hundred() -> None:
+    rng = random.Random(11)
+    digests = [_digest(rng) for _ in range(500_000)]
+    kinds = [("llm_call", MISSING), ("payment", MISSING), ("user_prompt", MISSING)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        store = FileIds()
+        for n, digest in enumerate(digests):
+            store.put(digest, kinds[n % 3])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held / len(digests) < 32, held / len(digests)
+    reference = {int.from_bytes(d, "big"): kinds[n % 3] for n, d in enumerate(digests[:50_000])}
+    assert len(reference) == 50_000  # what it replaced: a dict of 128-bit ints, over 100 bytes an id
+
+
+def _first_read(source: str, on: str) -> set[str]:
+    env = Environment(variables={"record": "map", "meta": "map", "first": "map"})
+    expression = compile_expression(source, env)
+    assert expression.tree is not None
+    references = references_when(expression.tree, expression.constants, {("meta", "source"): on})
+    return {f for v, f in references if v == "first"}
+
+
+@pytest.mark.parametrize(
+    ("source", "on_logs", "on_spans"),
+    [
+        ('meta.source == "log" || record.kind != first.kind', set(), {"kind"}),
+        ('meta.source == "span" ? first.a : first.b', {"b"}, {"a"}),
+        ('meta.source != "log" && first.x == 1', set(), {"x"}),
+        ('!(meta.source == "log") || first.q == 2', {"q"}, set()),
+        ('record.kind == "x" || first.y == 1', {"y"}, {"y"}),
+        ('has(first.z) && meta.source == "log"', {"z"}, set()),
+        ('"log" == meta.source || size(first) > 0', set(), {"*"}),
+    ],
+)
+def test_what_an_expression_reads_of_first_once_the_source_is_known(
+    source: str, on_logs: set[str], on_spans: set[str]
+) -> None:
+    assert _first_read(source, "log") == on_logs
+    assert _first_read(source, "span") == on_spans
+
+
+def test_ds009_keeps_a_lines_kind_not_its_fingerprint_and_still_reports_the_first_kind() -> None:
+    engine = Engine(shipped(), EngineOptions())
+    kinds = ["llm_call", "payment", "user_prompt"]
+    lines = [log_line(n, action_id=f"a{n}", kind=kinds[n % 3], input_fingerprint=f"fp-{n}") for n in range(1, 301)]
+    lines.append(log_line(301, action_id="a2", kind="write", input_fingerprint="fp-other"))
+    out = engine.submit_many(lines) + engine.finish()
+    repeats = [v for v in out if v.rule == "DS009"]
+    assert len(repeats) == 1 and "first as user_prompt, now as write" in repeats[0].message
+    (ids,) = [g for g in engine._file_groups.values() if len(g)]
+    assert len(ids) == 300 and len(ids._tuples) <= 3 and not ids._other

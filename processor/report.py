@@ -23,7 +23,7 @@ import struct
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any, Final, TextIO
+from typing import IO, Any, Final, TextIO, TypeVar
 
 import orjson
 
@@ -43,9 +43,12 @@ _MERGE_FAN_IN: Final = 16
 _CHUNK_LENGTH: Final = struct.Struct("<I")
 # A string no summary holds: where the streamed violations go in the JSON document.
 _VIOLATIONS_MARK: Final = "\x00violations\x00"
-_NESTED_INDENT: Final = "    "  # the violations list sits two levels deep in the JSON document
+# And where the streamed session summaries go: a JSON report of many sessions is never one string.
+_SESSIONS_MARK: Final = "\x00sessions\x00"
+_NESTED_INDENT: Final = "    "  # both lists sit two levels deep in the JSON document
 
 SortKey = tuple[int, int, int, str, str]
+_Item = TypeVar("_Item")
 # C0 controls, DEL and C1 controls, each written as \xNN.
 CONTROL_ESCAPES: Final = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
 
@@ -267,13 +270,14 @@ def render_text(report: Report) -> str:
 
 
 def write_json(report: Report, out: TextIO, write_violations: Callable[[TextIO], None] | None = None) -> None:
-    """One JSON object (two-space indent); the violations are written one block at a time into it.
+    """One JSON object (two-space indent); the violations and the sessions are written one block at a time into it.
 
     ``write_violations(out)``: writes the report's violations list already serialized
     (``json_block`` blocks joined by ``",\n"``, in report order) instead of the report's own.
     """
     before, after = json_report_parts(report)
-    out.write(before)
+    for piece in before:
+        out.write(piece)
     if after is None:
         return
     if write_violations is not None:
@@ -281,12 +285,14 @@ def write_json(report: Report, out: TextIO, write_violations: Callable[[TextIO],
     else:
         for piece in _json_pieces(report.ordered()):
             out.write(piece)
-    out.write(after)
+    for piece in after:
+        out.write(piece)
 
 
-def json_report_parts(report: Report) -> tuple[str, str | None]:
+def json_report_parts(report: Report) -> tuple[Iterator[str], Iterator[str] | None]:
     """The JSON report's text before its violations list and after it (the final newline
-    included); with no violations, the whole report and None."""
+    included), as pieces; with no violations, the whole report and None. The session
+    summaries in it come a block at a time."""
     doc: dict[str, Any] = {
         "inputs": report.inputs,
         "actions": report.actions,
@@ -297,14 +303,34 @@ def json_report_parts(report: Report) -> tuple[str, str | None]:
     }
     if report.waived_by_rule:
         doc["waived"] = report.waived_by_rule.total()  # findings listed with details.waived, failing nothing
-    if report.summary is not None:
-        doc.update(report.summary.to_json())
+    summary = report.summary
+    if summary is not None:
+        doc.update(summary.to_json(sessions=False))
+        doc["sessions"] = [_SESSIONS_MARK] if summary.sessions else []
     text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
-    mark = f'{_NESTED_INDENT}"{orjson.dumps(_VIOLATIONS_MARK).decode()[1:-1]}"'
-    before, found, after = text.partition(mark)
+    before, found, after = text.partition(_marked(_VIOLATIONS_MARK))
     if not found:
-        return text + "\n", None
-    return before, after + "\n"
+        return _with_sessions(text + "\n", summary), None
+    return iter((before,)), _with_sessions(after + "\n", summary)
+
+
+def _marked(mark: str) -> str:
+    return f'{_NESTED_INDENT}"{orjson.dumps(mark).decode()[1:-1]}"'
+
+
+def _with_sessions(text: str, summary: EngineSummary | None) -> Iterator[str]:
+    """``text`` with the session summaries written where their mark is, a block at a time."""
+    before, found, after = text.partition(_marked(_SESSIONS_MARK))
+    yield before
+    if not found or summary is None:
+        return
+    first = True
+    for block in _blocks(iter(summary.sessions), JSON_BLOCK):
+        if not first:
+            yield ",\n"
+        first = False
+        yield json_block([s.to_json() for s in block])
+    yield after
 
 
 def _json_pieces(violations: Iterator[Violation]) -> Iterator[str]:
@@ -368,8 +394,8 @@ _NESTED_OPEN: Final = 6
 _NESTED_CLOSE: Final = 6
 
 
-def _blocks(items: Iterator[Violation], size: int) -> Iterator[list[Violation]]:
-    block: list[Violation] = []
+def _blocks(items: Iterator[_Item], size: int) -> Iterator[list[_Item]]:
+    block: list[_Item] = []
     for item in items:
         block.append(item)
         if len(block) >= size:

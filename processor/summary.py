@@ -106,8 +106,9 @@ class EngineSummary:
     def violations(self) -> int:
         return sum(self.violations_by_rule.values())
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, *, sessions: bool = True) -> dict[str, Any]:
+        """The totals and, unless ``sessions`` is False, the list of session summaries."""
+        out: dict[str, Any] = {
             "actions_seen": self.actions_seen,
             "actions_evaluated": self.actions_evaluated,
             "duplicates": self.duplicates,
@@ -122,8 +123,10 @@ class EngineSummary:
             "ended_sessions_dropped": self.ended_sessions_dropped,
             "waits_resolved_late": self.waits_resolved_late,
             "fired_waits_dropped": self.fired_waits_dropped,
-            "sessions": [s.to_json() for s in self.sessions],
         }
+        if sessions:
+            out["sessions"] = [s.to_json() for s in self.sessions]
+        return out
 
     def text_lines(self, max_sessions: int = TEXT_MAX_SESSIONS) -> list[str]:
         """Replay's text report: a line per session (those with violations or open waits first), then totals."""

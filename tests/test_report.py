@@ -187,6 +187,66 @@ def test_the_json_report_holds_one_block_of_its_text_at_a_time() -> None:
     assert out.peak - base < out.written // 8, (out.peak - base, out.written)
 
 
+def _many_sessions(count: int) -> EngineSummary:
+    sessions = [
+        SessionSummary(f"session-{n:06d}", {"payment": n % 7, "llm_call": 3}, {"DS001": n % 2} if n % 2 else {}, [],
+                       end="expired" if n % 5 == 0 else "open")
+        for n in range(count)
+    ]
+    return dataclasses.replace(_summary(), sessions=sessions)
+
+
+@pytest.mark.parametrize(("violations", "sessions"), [(0, 0), (0, 1), (0, 700), (40, 1), (40, 700), (600, 2_500)])
+def test_the_sessions_are_streamed_into_the_same_document(violations: int, sessions: int) -> None:
+    report = _report(_violations(violations, seed=4), spill_at=100)
+    report.summary = _many_sessions(sessions)
+    try:
+        ordered = sorted(_violations(violations, seed=4), key=report._key)
+        document = {
+            "inputs": ["a.jsonl", "b.jsonl"],
+            "actions": 40,
+            "duplicates": 3,
+            "malformed": 2,
+            "violations": [v.to_json() for v in ordered],
+            "unreadable": [],
+            **report.summary.to_json(),
+        }
+        assert render_json(report) == orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
+    finally:
+        report.close()
+
+
+@pytest.mark.parametrize("violations", [0, 300])
+def test_a_report_of_many_sessions_holds_one_block_of_them_at_a_time(violations: int) -> None:
+    """The session summaries are written a block at a time too, with or without violations before them."""
+    report = _report(_violations(violations, seed=6), spill_at=50_000)
+    report.summary = _many_sessions(40_000)
+
+    class Out:
+        def __init__(self) -> None:
+            self.written = 0
+            self.largest = 0
+            self.peak = 0
+
+        def write(self, text: str) -> int:
+            self.written += len(text)
+            self.largest = max(self.largest, len(text))
+            self.peak = max(self.peak, tracemalloc.get_traced_memory()[0])
+            return len(text)
+
+    out = Out()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        write_json(report, out)  # type: ignore[arg-type]  # what write_json calls of a stream: write()
+    finally:
+        tracemalloc.stop()
+        report.close()
+    assert out.written > 10_000_000
+    # Held whole, the text (and its copies) would all be there at once.
+    assert out.largest < out.written // 50 and out.peak - base < out.written // 8, (out.largest, out.peak - base)
+
+
 def test_text_report_counts_by_rule_and_ends_with_the_verdict() -> None:
     violations = _violations(40, seed=3)
     report = _report(violations, spill_at=15)

@@ -295,9 +295,10 @@ class LogLane:
         if after is None or self._json_at is None:
             # No violations were written: the report is its head alone.
             assert self._json_at is None and not self._held
-            out.write(before)
+            for piece in before:
+                out.write(piece)
             return
-        head = before.encode()
+        head = "".join(before).encode()
         spool.flush()
         length = spool.tell() - self._json_at
         at = self._start + len(head)
@@ -306,7 +307,8 @@ class LogLane:
         spool.seek(self._start)
         spool.write(head)
         spool.seek(at + length)
-        spool.write(after.encode())
+        for piece in after:
+            spool.write(piece.encode())
         spool.truncate()  # a list moved back leaves its old end behind it
 
     def close(self) -> None:
@@ -656,7 +658,7 @@ class LogLane:
         guess = Report(self._report.inputs)
         guess.tally(round(actions * scale), round(malformed * scale))
         guess.violations_by_rule["-"] = 1  # a report with violations: its head ends where they begin
-        head, _ = json_report_parts(guess)
+        head = "".join(json_report_parts(guess)[0])
         spool = self._spool
         assert spool is not None
         self._json_at = self._start + len(head.encode())

@@ -20,7 +20,7 @@ Sections (rows of the table):
   line read and parsed typed, nothing else), the least CPU any Python replay of the log
   can take, and replay's own start-up past the floor's (a one-line log).
 - ``replay_rss``: peak RSS of replay at two input lengths (a tenth, and all, of the
-  dump), the same sessions in both.
+  dump), the same sessions in both; then the same for the action log, all packs.
 - ``live``: ``durable-check serve`` with its default state backend; offered load is
   stepped up until a step loses a span or falls behind; the same with the other store
   (``sqlite`` when the default is ``memory``); then the send-to-violation latency at
@@ -69,7 +69,8 @@ ROW_KEYS: Final = (
     "replay_skill.clean.pack", "replay_skill.clean.all", "replay_skill.flaws.pack", "replay_skill.flaws.all",
     "replay_skill.violation", "replay_skill.violation.pair.text", "replay_skill.violation.pair.json",
     "replay_skill.clean.floor", "replay_skill.flaws.floor", "replay_skill.startup", "replay_skill.shapes",
-    "replay_rss.small", "replay_rss.large", "live.sustained", "live.sustained.other", "live.sustained.replicas",
+    "replay_rss.small", "replay_rss.large", "replay_rss.actions.small", "replay_rss.actions.large",
+    "live.sustained", "live.sustained.other", "live.sustained.replicas",
     "live.p50.default", "live.p99.default",
     "live.p50.zero", "live.p99.zero", "memory.smaller", "memory.larger",
     "rules.shipped", "rules.10", "rules.50", "rules.200",
@@ -119,6 +120,8 @@ TARGET_LIVE_SPANS_S: Final = 25_000
 LIVE_REPLICAS: Final = 2
 TARGET_P99_MS: Final = 250.0
 TARGET_SESSION_BYTES: Final = 2048
+# Replay's peak RSS at the whole input against a tenth of it, the same sessions in both.
+TARGET_RSS_GROWTH: Final = 1.3
 
 
 # -- measuring a command ------------------------------------------------------------------
@@ -570,23 +573,31 @@ def violation_pair(lines: int, report_format: str, runs: int) -> dict[str, Any]:
 
 
 def section_replay_rss(size: Size, runs: int, log: Callable[[str], None], details: dict[str, Any]) -> list[Row]:
-    rows = []
-    measured: dict[int, float] = {}
-    # The same sessions in both dumps, ten times as long in the second: only the input's length differs
+    # The same sessions in both inputs, ten times as long in the second: only the input's length differs
     # (what grows with the number of open sessions is the memory section's subject).
+    rows = []
+    spans_by_length: dict[int, float] = {}
     for spans, sessions in ((size.spans // 10, size.sessions), (size.spans, size.sessions)):
         path, stats = otlp_dump(spans, sessions, log)
         log(f"replay_rss: {stats['spans']:,} spans")
         peaks = [run_measured(replay_command(path, "otlp-proto-stream")).peak_rss_mib for _ in range(runs)]
-        measured[stats["spans"]] = _median(peaks)
-    (small, small_rss), (large, large_rss) = sorted(measured.items())
-    details["replay_rss"] = {"peak_rss_mib_by_spans": measured}
-    growth = large_rss / small_rss
+        spans_by_length[stats["spans"]] = _median(peaks)
+    actions_by_length: dict[int, float] = {}
+    for records in (size.actions // 10, size.actions):
+        path, _ = action_log(records, size.sessions, log)
+        log(f"replay_rss: {records:,} action-log lines")
+        peaks = [run_measured(replay_command(path, "actions")).peak_rss_mib for _ in range(runs)]
+        actions_by_length[records] = _median(peaks)
+    details["replay_rss"] = {"peak_rss_mib_by_spans": spans_by_length, "peak_rss_mib_by_lines": actions_by_length}
     held = f"{size.sessions:,} sessions"
-    rows.append(Row("replay_rss.small", f"replay peak RSS at {small:,} spans, {held}", small_rss, "MiB"))
-    rows.append(Row("replay_rss.large", f"replay peak RSS at {large:,} spans, {held}", large_rss, "MiB",
-                    f"{small_rss:,.1f} MiB at {small // 1000:,}k spans", growth,
-                    "flat (ratio near 1)", growth < 1.25))
+    for key, unit, measured in (("replay_rss", "spans", spans_by_length),
+                                ("replay_rss.actions", "action-log lines", actions_by_length)):
+        (small, small_rss), (large, large_rss) = sorted(measured.items())
+        growth = large_rss / small_rss
+        rows.append(Row(f"{key}.small", f"replay peak RSS at {small:,} {unit}, {held}", small_rss, "MiB"))
+        rows.append(Row(f"{key}.large", f"replay peak RSS at {large:,} {unit}, {held}", large_rss, "MiB",
+                        f"{small_rss:,.1f} MiB at {small // 1000:,}k {unit}", growth,
+                        f"<= {TARGET_RSS_GROWTH}x", growth <= TARGET_RSS_GROWTH))
     return rows
 
 

@@ -125,3 +125,16 @@ def test_ds009_keeps_a_lines_kind_not_its_fingerprint_and_still_reports_the_firs
     assert len(repeats) == 1 and "first as user_prompt, now as write" in repeats[0].message
     (ids,) = [g for g in engine._file_groups.values() if len(g)]
     assert len(ids) == 300 and len(ids._tuples) <= 3 and not ids._other
+
+
+@pytest.mark.parametrize("names", [("a",), ("a", "b"), ("a", "b", "c"), ("a", "b", "c", "d")])
+def test_a_reader_of_some_kept_fields_reads_those_and_leaves_the_others_absent(names: tuple[str, ...]) -> None:
+    from itertools import combinations
+
+    from processor.evaluate.engine import _kept_reader
+
+    record = {"a": 1, "b": None, "d": "x", "other": 2}
+    for size in range(len(names) + 1):
+        for only in combinations(names, size):
+            read = _kept_reader(names, frozenset(only))(record)
+            assert read == tuple(record.get(n, MISSING) if n in only else MISSING for n in names), only

@@ -7,7 +7,11 @@ Just before each send it rewrites every span's start and end time to the current
 clock (fixed64 fields patched in place), so event time is send time as it is for live
 agents. It records each request's send and acknowledgement time. serve acknowledges
 a request only after it has been converted and evaluated, so an OK answer means
-processed.
+processed. A refusal that carries RetryInfo (serve pushing back while its queue or byte
+budget is full) is sent again after the delay it names, for at most ``CLIENT_RETRY_FOR_S``
+from its first send, as an OTLP exporter does (its own bound is five minutes); the
+request's times stay those of its first send, so the retry's wait counts in its latency
+and in the rate the client achieved.
 
 The orchestrator (:func:`run_step`) starts serve on free loopback ports with its
 default state backend and a JSONL exporter, tails the JSONL file while the client
@@ -57,6 +61,9 @@ from bench.generate import flaws_path, read_otlp_stream
 from bench.peak import vm_hwm_kib
 
 EXPORT_METHOD: Final = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+# How long a refused request is sent again when serve said when to (RetryInfo), each wait at most a second.
+CLIENT_RETRY_FOR_S: Final = 30.0
+_RETRY_WAIT_MAX_S: Final = 1.0
 # Rules that judge a span alone: their violation is due as soon as the span is evaluated.
 PER_RECORD_FLAWS: Final = frozenset(
     {"unrecorded_llm", "unkeyed_payment", "unbounded_retry", "attempt_over_cap", "cache_without_ttl"}
@@ -121,6 +128,8 @@ def load_templates(dump: Path, count: int) -> list[Template]:
 def client(target: str, dump: Path, *, requests: int, rate: float, streams: int, out: Path) -> None:
     import grpc
 
+    from bench.soak import retry_delay_s
+
     templates = load_templates(dump, requests)
     channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)])
     grpc.channel_ready_future(channel).result(timeout=30)
@@ -130,6 +139,7 @@ def client(target: str, dump: Path, *, requests: int, rate: float, streams: int,
     interval_s = sum(t.spans for t in templates) / len(templates) / rate if templates else 0.0
     sends: list[list[int]] = [[0, 0, 0] for _ in templates]
     errors: dict[str, int] = {}
+    retried: dict[str, int] = {}  # refusals sent again as their RetryInfo said, by status
     lock = threading.Lock()
     next_index = [0]
     start = time.monotonic() + 0.2
@@ -147,11 +157,23 @@ def client(target: str, dump: Path, *, requests: int, rate: float, streams: int,
                 time.sleep(delay)
             sent_ns = time.time_ns()
             body = templates[index].stamped(sent_ns)
-            try:
-                export(body, timeout=60)
-                status = "OK"
-            except grpc.RpcError as exc:
-                status = exc.code().name if exc.code() is not None else "UNKNOWN"
+            give_up = time.monotonic() + CLIENT_RETRY_FOR_S
+            while True:
+                try:
+                    export(body, timeout=60)
+                    status = "OK"
+                    break
+                except grpc.RpcError as exc:
+                    status = exc.code().name if exc.code() is not None else "UNKNOWN"
+                    delay = retry_delay_s(exc)
+                    if delay is None:
+                        status += " without RetryInfo"
+                        break
+                    if time.monotonic() + delay > give_up:
+                        break
+                with lock:
+                    retried[status] = retried.get(status, 0) + 1
+                time.sleep(min(delay, _RETRY_WAIT_MAX_S))
             acked_ns = time.time_ns()
             sends[index] = [sent_ns, acked_ns, 1 if status == "OK" else 0]
             if status != "OK":
@@ -170,6 +192,7 @@ def client(target: str, dump: Path, *, requests: int, rate: float, streams: int,
         "sent_spans": sum(t.spans for t in templates),
         "ok_spans": ok_spans,
         "errors": errors,
+        "retried": retried,
         "sends": sends,
     }))
 
@@ -209,6 +232,8 @@ class StepResult:
     # serve's threads while the client sent, busiest first: cores each used (its CPU seconds over the
     # client's wall time), those above 0.01. The first is the evaluator's at any rate that loads serve.
     serve_thread_cores: list[float] = field(default_factory=list)
+    # Refusals with RetryInfo the client sent again (and got through, unless also in errors), by status.
+    retried: dict[str, int] = field(default_factory=dict)
     state_backend: str = ""
     allowed_lateness: str = ""
 
@@ -465,6 +490,7 @@ def run_step(dump: Path, rate: float, duration_s: float, *, streams: int = 8,
         ok_spans=sent["ok_spans"],
         achieved_spans_s=after_first / span_s if span_s else 0.0,
         errors=sent["errors"],
+        retried=sent.get("retried", {}),
         evaluated_spans=int(evaluated.group(1)) if evaluated else None,
         received_spans=_metric(metrics, "durable_check_spans_received_total"),
         rejected_spans=_metric(metrics, "durable_check_spans_rejected_total"),
@@ -615,6 +641,14 @@ class ReplicasResult:
         merged: dict[str, int] = {}
         for step in self.steps:
             for status, count in step.errors.items():
+                merged[status] = merged.get(status, 0) + count
+        return merged
+
+    @property
+    def retried(self) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for step in self.steps:
+            for status, count in step.retried.items():
                 merged[status] = merged.get(status, 0) + count
         return merged
 

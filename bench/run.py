@@ -617,6 +617,8 @@ class LiveStep(Protocol):
     @property
     def errors(self) -> dict[str, int]: ...
     @property
+    def retried(self) -> dict[str, int]: ...
+    @property
     def evaluated_spans(self) -> int | None: ...
     @property
     def sent_spans(self) -> int: ...
@@ -647,7 +649,8 @@ def sustained_row(key: str, steps: Sequence[LiveStep], sustained: LiveStep | Non
     stopped = f"every step up to {last.offered_spans_s:,.0f} offered was sustained"
     if last is not sustained:
         stopped = (f"{last.offered_spans_s:,.0f} offered: {last.achieved_spans_s:,.0f} achieved, "
-                   f"errors {last.errors or 'none'}, evaluated {last.evaluated_spans}/{last.sent_spans}")
+                   f"errors {last.errors or 'none'}, retried {last.retried or 'none'}, "
+                   f"evaluated {last.evaluated_spans}/{last.sent_spans}")
     return Row(key, f"serve sustained, nothing lost (state: {label})", rate, "spans/s",
                stopped, None, f">= {TARGET_LIVE_SPANS_S:,}", rate >= TARGET_LIVE_SPANS_S)
 

@@ -322,3 +322,25 @@ def test_a_prompt_request_amid_a_burst_of_slow_connections_is_answered(tmp_path:
                 conn.close()
     log = serve.log_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_benchmark_client_sends_a_refused_request_again_as_its_retry_info_says(tmp_path: Path) -> None:
+    """One gRPC message read at a time (the byte budget is one max-size message): 8 streams are refused
+    with RetryInfo, and the live benchmark's client sends each again until every span is acknowledged."""
+    import orjson
+
+    from bench.generate import write_otlp_stream
+    from bench.live import client
+
+    dump = tmp_path / "dump.bin"
+    write_otlp_stream(dump, 20_480, 100)
+    out = tmp_path / "sent.json"
+    with serve_process(tmp_path, {"max_bytes_in_flight": "16MiB"}) as serve:
+        client(f"127.0.0.1:{serve.grpc_port}", dump, requests=40, rate=200_000, streams=8, out=out)
+    sent = orjson.loads(out.read_bytes())
+    assert sent["errors"] == {} and sent["ok_spans"] == sent["sent_spans"] > 0, sent["errors"]
+    assert sent["retried"].get("UNAVAILABLE", 0) > 0, sent["retried"]
+    # A request's times are those of its first send: a retried one was acknowledged after its wait.
+    assert all(acked >= first for first, acked, ok in sent["sends"] if ok)

@@ -35,6 +35,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "Action records evaluated, by kind, status and service.", ("kind", "status", "service")),
     MetricSpec("open_sessions", "durable_check_open_sessions", "gauge",
                "Sessions with state held in memory or in the store."),
+    MetricSpec("sessions_packed", "durable_check_sessions_packed", "gauge",
+               "Idle open sessions (a minute without a record) whose rule groups are held packed and compressed, "
+               "as the last packing pass found them; such a session is unpacked when a record of it arrives."),
+    MetricSpec("packed_bytes", "durable_check_packed_bytes", "gauge",
+               "Compressed bytes the packed sessions' groups take, as the last packing pass found them."),
     MetricSpec("open_waits", "durable_check_open_waits", "gauge",
                "Sessions waiting (for an approval, an external event, a scheduled retry) with nothing resolving "
                "it yet, by workflow state: what the view's Waiting now lists, those past their deadline included.",
@@ -138,6 +143,8 @@ class Telemetry:
     violations: Counter
     actions: Counter
     open_sessions: Gauge
+    sessions_packed: Gauge
+    packed_bytes: Gauge
     open_waits: Gauge
     expired_waits: Gauge
     oldest_open_wait_age: Gauge

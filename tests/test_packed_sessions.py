@@ -315,3 +315,36 @@ def test_shared_kept_tuples_are_bounded_and_common_ones_still_shared_after_a_new
     assert first == again and first is again
     # Started over three times: the last 7 unique tuples, then the common one.
     assert len(engine._kept_cache) == 8
+
+
+def test_serve_says_how_many_sessions_are_packed_and_what_they_take() -> None:
+    """The gauges follow the packing passes: two idle sessions packed, one unpacked by its next record."""
+    from processor.telemetry import Telemetry
+
+    tm = Telemetry()
+    now = [T0]
+    engine = Engine(shipped(), EngineOptions(mode="serve", pack_idle_after_s=60), clock=lambda: now[0], telemetry=tm)
+    span = Spans()
+    engine.submit_many([span(0, session=s, action_id="ask", kind="user_prompt") for s in ("one", "two")])
+    get = tm.registry.get_sample_value
+    assert get("durable_check_sessions_packed") == 0
+    for after_s in (61, 122):
+        now[0] = T0 + after_s * S
+        engine.tick(now[0])
+    sessions = engine._sessions
+    assert _is_packed(sessions["one"]) and _is_packed(sessions["two"])
+    held = sessions["one"].packed_bytes() + sessions["two"].packed_bytes()
+    assert get("durable_check_sessions_packed") == 2 and get("durable_check_packed_bytes") == held > 0
+    now[0] = T0 + 130 * S
+    engine.submit_many([span(130, session="one", action_id="again", kind="llm_call")])
+    # The next pass (a minute after the last) finds "one" active 55 s ago: unpacked, not packed again.
+    now[0] = T0 + 185 * S
+    engine.tick(now[0])
+    assert not _is_packed(sessions["one"]) and _is_packed(sessions["two"])
+    assert get("durable_check_sessions_packed") == 1
+    assert get("durable_check_packed_bytes") == sessions["two"].packed_bytes()
+    # A minute later it is idle too.
+    now[0] = T0 + 250 * S
+    engine.tick(now[0])
+    assert get("durable_check_sessions_packed") == 2
+    assert get("durable_check_packed_bytes") == sum(s.packed_bytes() for s in sessions.values())

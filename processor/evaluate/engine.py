@@ -785,6 +785,8 @@ class Engine:
         # enough records, or once the clock moved on by the idle time (a quiet serve's ticks).
         self._packed_at = 0
         self._packed_clock = 0
+        # Sessions packed and their packed bytes, as the last packing pass found them.
+        self._packed_count = (0, 0)
         # Replay moves packed groups out of memory into a temporary file (made at the first pack);
         # serve keeps them: its sessions' groups are in its state store already.
         self._cold = None if self._serve else ColdFile()
@@ -2049,9 +2051,16 @@ class Engine:
         horizon = clock - self._pack_idle_ns
         recent_from = len(self._sessions) - self.options.pack_untimed_after_sessions
         dirty = self._dirty
+        # Counted for self-telemetry as the pass goes: a session looked up again is unpacked and
+        # moves to the end, so the packed ones are among those this pass reads.
+        packed = held = 0
         # Least recently active first: the sessions are in the order of their last record.
         for position, session in enumerate(self._sessions.values()):
-            if session.packed is not None or session.rules is None:
+            if session.rules is None:
+                continue
+            if session.packed is not None:
+                packed += 1
+                held += session.packed_bytes()
                 continue
             activity = session.activity_ns
             if activity is None:
@@ -2059,8 +2068,10 @@ class Engine:
                     break  # the rest had records later than this many others
             elif activity > horizon:
                 break  # the rest were active later
-            if not session.buffered and session.session_id not in dirty:
-                session.pack(self._cold)
+            if not session.buffered and session.session_id not in dirty and session.pack(self._cold):
+                packed += 1
+                held += session.packed_bytes()
+        self._packed_count = (packed, held)
 
     # -- the global bound on remembered entries -------------------------------------------
 
@@ -2203,6 +2214,8 @@ class Engine:
             tm.rule_errors.labels(rule=rule).inc(n)
         self._tm_rule_errors.clear()
         tm.open_sessions.set(len(self._sessions))
+        tm.sessions_packed.set(self._packed_count[0])
+        tm.packed_bytes.set(self._packed_count[1])
 
     # -- summary --------------------------------------------------------------------------
 

@@ -678,6 +678,14 @@ class SessionState:
             rules[index] = None
         return count
 
+    def packed_bytes(self) -> int:
+        """The compressed bytes of the packed groups (in memory, or in replay's file); 0 when not packed."""
+        packed = self.packed
+        if packed is None:
+            return 0
+        held = packed[0]
+        return len(held) if type(held) is bytes else cast(ColdBlob, held).length
+
     def unpack(self) -> None:
         """Put the packed groups back in their slots, in their order (see :meth:`pack`)."""
         packed = self.packed

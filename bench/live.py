@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -638,19 +638,11 @@ class ReplicasResult:
 
     @property
     def errors(self) -> dict[str, int]:
-        merged: dict[str, int] = {}
-        for step in self.steps:
-            for status, count in step.errors.items():
-                merged[status] = merged.get(status, 0) + count
-        return merged
+        return _summed(step.errors for step in self.steps)
 
     @property
     def retried(self) -> dict[str, int]:
-        merged: dict[str, int] = {}
-        for step in self.steps:
-            for status, count in step.retried.items():
-                merged[status] = merged.get(status, 0) + count
-        return merged
+        return _summed(step.retried for step in self.steps)
 
     @property
     def evaluated_spans(self) -> int | None:
@@ -665,6 +657,15 @@ class ReplicasResult:
         return {"offered_spans_s": self.offered_spans_s, "replicas": len(self.steps),
                 "achieved_spans_s": self.achieved_spans_s, "lossless": self.lossless,
                 "sustained": self.sustained, "steps": [step.as_dict() for step in self.steps]}
+
+
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Counts by status, added up across replicas."""
+    total: dict[str, int] = {}
+    for by_status in counts:
+        for status, count in by_status.items():
+            total[status] = total.get(status, 0) + count
+    return total
 
 
 def run_replicas(dump: Path, rate: float, duration_s: float, replicas: int, *, streams: int = 8,

@@ -19,10 +19,10 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from google.rpc import error_details_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1 import common_pb2
 
+from bench.soak import retry_delay_s
 from processor.open_files import raise_to_hard_limit
 from tests.serve_process import serve_process
 from tests.serve_support import make_request
@@ -38,19 +38,6 @@ def _large_request(size: int) -> bytes:
     attribute.key = "padding"
     attribute.value.CopyFrom(common_pb2.AnyValue(string_value="x" * size))
     return request.SerializeToString()
-
-
-def _retry_delay_s(error: grpc.RpcError) -> float | None:
-    """The RetryInfo delay the server attached, None without one."""
-    for key, value in error.trailing_metadata() or ():
-        if key == "grpc-status-details-bin":
-            status = status_pb2.Status.FromString(value)
-            for detail in status.details:
-                if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                    info = error_details_pb2.RetryInfo()
-                    detail.Unpack(info)
-                    return info.retry_delay.ToTimedelta().total_seconds()
-    return None
 
 
 @pytest.mark.slow
@@ -87,7 +74,7 @@ def test_many_concurrent_large_grpc_calls_stay_inside_the_byte_budget(tmp_path: 
                             code = error.code()
                             assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED), (
                                 code, error.details())
-                            hint = _retry_delay_s(error)
+                            hint = retry_delay_s(error)
                             assert hint is not None, f"{code} without RetryInfo: {error.details()}"
                             refusals[code.name] = refusals.get(code.name, 0) + 1
                             delay = max(delay, min(hint, 1.0))
@@ -275,7 +262,7 @@ def test_a_grpc_call_holds_its_bytes_until_its_message_arrives_and_no_longer_tha
             with pytest.raises(grpc.RpcError) as refused:
                 export(small, timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert _retry_delay_s(refused.value) is not None
+            assert retry_delay_s(refused.value) is not None
             with pytest.raises(grpc.RpcError) as cut:
                 stalled.result(timeout=10)
             assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

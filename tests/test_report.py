@@ -141,19 +141,24 @@ def test_the_streamed_json_is_the_whole_document_dumped_at_once(count: int) -> N
     violations = _violations(count, seed=2)
     report = _report(violations, spill_at=25 if count < 100 else 700)
     try:
-        ordered = sorted(violations, key=report._key)
-        document = {
-            "inputs": ["a.jsonl", "b.jsonl"],
-            "actions": 40,
-            "duplicates": 3,
-            "malformed": 2,
-            "violations": [v.to_json() for v in ordered],
-            "unreadable": [],
-            **_summary().to_json(),
-        }
-        assert render_json(report) == orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
+        assert render_json(report) == _dumped_at_once(report, violations)
     finally:
         report.close()
+
+
+def _dumped_at_once(report: Report, violations: list[Violation]) -> str:
+    """What the JSON report must be: the whole document (as _report made it) dumped in one call."""
+    assert report.summary is not None
+    document = {
+        "inputs": ["a.jsonl", "b.jsonl"],
+        "actions": 40,
+        "duplicates": 3,
+        "malformed": 2,
+        "violations": [v.to_json() for v in sorted(violations, key=report._key)],
+        "unreadable": [],
+        **report.summary.to_json(),
+    }
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
 
 
 def test_the_json_report_holds_one_block_of_its_text_at_a_time() -> None:
@@ -201,17 +206,7 @@ def test_the_sessions_are_streamed_into_the_same_document(violations: int, sessi
     report = _report(_violations(violations, seed=4), spill_at=100)
     report.summary = _many_sessions(sessions)
     try:
-        ordered = sorted(_violations(violations, seed=4), key=report._key)
-        document = {
-            "inputs": ["a.jsonl", "b.jsonl"],
-            "actions": 40,
-            "duplicates": 3,
-            "malformed": 2,
-            "violations": [v.to_json() for v in ordered],
-            "unreadable": [],
-            **report.summary.to_json(),
-        }
-        assert render_json(report) == orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n"
+        assert render_json(report) == _dumped_at_once(report, _violations(violations, seed=4))
     finally:
         report.close()
 

@@ -167,29 +167,40 @@ def test_the_json_report_holds_one_block_of_its_text_at_a_time() -> None:
     violations = _violations(20_000, seed=5)
     report = _report(violations, spill_at=50_000)  # held in memory already: read back, it costs nothing new
 
-    class Out:
-        """Counts what is written and samples the traced heap at each write; keeps no text."""
+    out = _written_measured(report)
+    assert out.written > 5_000_000
+    # A block of 256 violations is about 1/80 of this report's text; held whole, it would all be there.
+    assert out.grown < out.written // 8, (out.grown, out.written)
 
-        def __init__(self) -> None:
-            self.written = 0
-            self.peak = 0
 
-        def write(self, text: str) -> int:
-            self.written += len(text)
-            self.peak = max(self.peak, tracemalloc.get_traced_memory()[0])
-            return len(text)
+class _MeasuredOut:
+    """Counts what is written, its largest piece, and samples the traced heap at each write; keeps no text."""
 
-    out = Out()
+    def __init__(self) -> None:
+        self.written = 0
+        self.largest = 0
+        self.peak = 0
+        self.grown = 0  # the traced heap's peak over its size before the report was written
+
+    def write(self, text: str) -> int:
+        self.written += len(text)
+        self.largest = max(self.largest, len(text))
+        self.peak = max(self.peak, tracemalloc.get_traced_memory()[0])
+        return len(text)
+
+
+def _written_measured(report: Report) -> _MeasuredOut:
+    """``report`` written as JSON into a _MeasuredOut under tracemalloc, then closed."""
+    out = _MeasuredOut()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         write_json(report, out)  # type: ignore[arg-type]  # what write_json calls of a stream: write()
+        out.grown = out.peak - base
     finally:
         tracemalloc.stop()
         report.close()
-    assert out.written > 5_000_000
-    # A block of 256 violations is about 1/80 of this report's text; held whole, it would all be there.
-    assert out.peak - base < out.written // 8, (out.peak - base, out.written)
+    return out
 
 
 def _many_sessions(count: int) -> EngineSummary:
@@ -216,30 +227,10 @@ def test_a_report_of_many_sessions_holds_one_block_of_them_at_a_time(violations:
     """The session summaries are written a block at a time too, with or without violations before them."""
     report = _report(_violations(violations, seed=6), spill_at=50_000)
     report.summary = _many_sessions(40_000)
-
-    class Out:
-        def __init__(self) -> None:
-            self.written = 0
-            self.largest = 0
-            self.peak = 0
-
-        def write(self, text: str) -> int:
-            self.written += len(text)
-            self.largest = max(self.largest, len(text))
-            self.peak = max(self.peak, tracemalloc.get_traced_memory()[0])
-            return len(text)
-
-    out = Out()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        write_json(report, out)  # type: ignore[arg-type]  # what write_json calls of a stream: write()
-    finally:
-        tracemalloc.stop()
-        report.close()
+    out = _written_measured(report)
     assert out.written > 10_000_000
     # Held whole, the text (and its copies) would all be there at once.
-    assert out.largest < out.written // 50 and out.peak - base < out.written // 8, (out.largest, out.peak - base)
+    assert out.largest < out.written // 50 and out.grown < out.written // 8, (out.largest, out.grown)
 
 
 def test_text_report_counts_by_rule_and_ends_with_the_verdict() -> None:

@@ -23,7 +23,7 @@ import struct
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any, Final, TextIO, TypeVar
+from typing import IO, Any, Final, Protocol, TextIO, TypeVar
 
 import orjson
 
@@ -324,27 +324,26 @@ def _with_sessions(text: str, summary: EngineSummary | None) -> Iterator[str]:
     yield before
     if not found or summary is None:
         return
-    first = True
-    for block in _blocks(iter(summary.sessions), JSON_BLOCK):
-        if not first:
-            yield ",\n"
-        first = False
-        yield json_block([s.to_json() for s in block])
+    yield from _json_pieces(iter(summary.sessions))
     yield after
 
 
-def _json_pieces(violations: Iterator[Violation]) -> Iterator[str]:
-    """The violations list's text, a block of violations at a time, a ``",\n"`` between two.
+class _ToJson(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def _json_pieces(items: Iterator[_ToJson]) -> Iterator[str]:
+    """A list's text (violations, session summaries), a block of items at a time, a ``",\n"`` between two.
 
     A generator function, not a generator expression: the compiled build makes a list of a
     generator expression, which here would hold the whole report's text at once.
     """
     first = True
-    for block in _blocks(violations, JSON_BLOCK):
+    for block in _blocks(items, JSON_BLOCK):
         if not first:
             yield ",\n"
         first = False
-        yield json_block([v.to_json() for v in block])
+        yield json_block([item.to_json() for item in block])
 
 
 def json_block(objects: list[dict[str, Any]]) -> str:

@@ -204,7 +204,8 @@ def _read_run(run: IO[bytes]) -> Iterator[Violation]:
             yield Violation(*fields)
 
 
-def _where(v: Violation, several_inputs: bool) -> str:
+def violation_where(v: Violation, several_inputs: bool) -> str:
+    """Where the text report says a violation is (its input's name first when there are several)."""
     prefix = f"{v.origin}: " if several_inputs and v.origin else ""
     if not v.span_id:
         # An action-log record: its line, as the reference checker prints it.
@@ -224,7 +225,7 @@ def span_where(line: int | None, session_id: str, action_id: str, trace_id: str,
 def write_text(report: Report, out: TextIO) -> None:
     several = len(report.inputs) > 1
     for v in report.ordered():
-        out.write(printable(f"{_where(v, several)}: {v.rule} {v.name}: {v.message}{waived_note(v)}") + "\n")
+        out.write(printable(f"{violation_where(v, several)}: {v.rule} {v.name}: {v.message}{waived_note(v)}") + "\n")
     write_text_tail(report, out)
 
 

@@ -216,15 +216,15 @@ def test_a_report_of_several_spooled_blocks_is_the_engine_report(
         assert listed.count("\n    {\n") == len(lines)
 
 
-def test_the_shipped_packs_together_run_on_the_engine(tmp_path: Path) -> None:
-    """Session rules keep per-session state: the lane does not apply, and says why."""
+def test_the_skill_pack_is_generated_code_through_and_through() -> None:
     from processor.evaluate.engine import Engine
     from processor.evaluate.rulefmt import load_rules
 
-    assert LogLane(Engine(load_rules([]))).reason == "rule DS101 keeps per-session state"
     lane = LogLane(Engine(load_rules([], packs=["durable-sessions"])))
     assert lane.usable
+    assert not lane._session_rules
     assert lane._generated.fallback == 0  # every expression of the skill's pack is generated code
+    assert lane._typed is not None  # and its lines are read typed
 
 
 def test_a_log_spanning_the_idle_timeout_goes_back_to_the_engine(

@@ -1100,6 +1100,50 @@ class Engine:
             released = self._release_one(out)
             state.watermark_ns = max(state.watermark_ns, released)
 
+    def has_session_rules(self) -> bool:
+        """Whether some rule keeps state per session (not only per file)."""
+        return any(not plan.file_scope for plan in self._stateful_plans)
+
+    def log_session(self, session_id: str) -> bool:
+        """The action-log lane: look ``session_id`` up as a record or a malformed line of it does
+        (the least recently active sessions are trimmed first). False, with nothing done, when
+        opening it would evict another session: the lane does not model eviction."""
+        sessions = self._sessions
+        session = sessions.get(session_id)
+        if session is None:
+            if len(sessions) >= self.options.max_sessions:
+                return False
+            self._session(session_id)
+            return True
+        if session.packed is not None:
+            session.unpack()
+        sessions.move_to_end(session_id)
+        self._dirty.add(session_id)
+        return True
+
+    def log_session_rules(self, action: Action, out: list[Violation]) -> None:
+        """The action-log lane: the session rules on an action-log line, in input order.
+
+        The lane has counted the line, run its condition and file rules, and looked its session
+        up (``log_session``); this is the rest of ``_submit_action`` for a log line: the clock
+        (deadlines the watermark passed fire, in every session) and the session rules, by the
+        same handlers. Idle expiry is not scheduled: the lane gives way before event times
+        span the idle timeout, so no session could expire.
+        """
+        self._state.counters["actions_seen"] += 1
+        session = self._sessions[action.record["session_id"]]
+        t = action.time_ns
+        if t is not None:
+            activity = session.activity_ns
+            if activity is None or t > activity:
+                session.activity_ns = t  # what packing measures idleness by
+            self._observe_time(t, out)
+        self._evaluate(action, session, out, accepted=True, files=False)
+
+    def end_log_batch(self) -> None:
+        """The action-log lane: what the end of a batch of lines does (packing, the remembered-entries bound)."""
+        self._end_batch()
+
     def _note_activity(self, session: SessionState, t: int | None) -> None:
         """What idle expiry measures: arrivals on the clock in serve, the latest event time in replay."""
         if self._serve:
@@ -1289,8 +1333,10 @@ class Engine:
         *,
         accepted: bool = False,
         route: _Route | None = None,
+        files: bool = True,
     ) -> None:
-        """Run the rules on a record in its event-time turn; ``accepted``: counted and conditions run already."""
+        """Run the rules on a record in its event-time turn; ``accepted``: counted and conditions run already;
+        ``files``: run the file-scope rules too (the action-log lane runs its own)."""
         t = action.time_ns
         next_deadline = session.next_deadline_ns
         if next_deadline is not None and t is not None and next_deadline < t:
@@ -1312,9 +1358,10 @@ class Engine:
                     self._rule_error(plan, "condition")
                     continue
             if plan.file_scope and action.source == "log":
-                self._file_sequence(
-                    plan, action, session, out, first_possible=first_possible, then_possible=then_possible
-                )
+                if files:
+                    self._file_sequence(
+                        plan, action, session, out, first_possible=first_possible, then_possible=then_possible
+                    )
                 continue
             if skip_when_empty:
                 rules = session.rules

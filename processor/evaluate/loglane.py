@@ -1,32 +1,36 @@
-"""The action-log lane: replay of action logs by rule sets that read each record alone.
+"""The action-log lane: replay of action logs without the engine's machinery for spans.
 
-The skill's pack (and any rule set like it) reads each record by itself, plus one
-``log_scope: file`` sequence (a repeated action id in the file). For such a rule set on
-action logs the engine's machinery has nothing to do: no reordering (log lines are
-in the order the agent wrote them), no per-session rule state, no timers. The lane runs
-the same rules without it:
+Log lines are in the order the agent wrote them: no reordering by event time, no buffer, no
+identity stage. The lane reads them itself:
 
-- the whole rule set becomes one generated Python function (``check``) and one per
-  message, from the rules' checked expressions (``processor.evaluate.cel.python_source``,
-  exact or refused; a refused expression runs its closure from inside ``check``);
+- condition rules and ``log_scope: file`` sequences (a repeated action id in the file)
+  become one generated Python function (``check``) and one per message, from the rules'
+  checked expressions (``processor.evaluate.cel.python_source``, exact or refused; a refused
+  expression runs its closure from inside ``check``);
+- session rules (sequence, change, count, absence per session) run on the engine's own
+  handlers and state, handed each valid line in input order (``Engine.log_session_rules``),
+  with the engine's clock: one implementation of their semantics for both paths;
 - a record is the dict orjson gives, validated as ``processor.convert.actionlog`` does; or,
-  when the rule set reads only typed fields' values (``_typed_fields``), a typed line: the
-  line decoded and type-checked in one step, in C, into a struct (``actionlog.typed_decoder``;
-  the strict decoder takes no field the rules do not name, the open one skips such fields
-  and orjson confirms the line), read by a twin of ``check`` generated over attributes;
+  when the rule set has no session rules and reads only typed fields' values
+  (``_typed_fields``), a typed line: the line decoded and type-checked in one step, in C,
+  into a struct (``actionlog.typed_decoder``; the strict decoder takes no field the rules do
+  not name, the open one skips such fields and orjson confirms the line), read by a twin of
+  ``check`` generated over attributes;
 - a condition's top-level terms that several rules share are tested once, the rules
   nested under them (``_factored``);
 - the report's violations (text lines, or the JSON report's list) are written as they are
-  found, already in the report's order, to a spool copied out after the run, or straight
-  into the report's file when it is a regular file that can be cut back should the lane give
-  up (``write_into``); nothing per violation is kept.
+  found, in the report's order, to a spool copied out after the run, or straight into the
+  report's file when it is a regular file that can be cut back should the lane give up
+  (``write_into``). Violations a session rule reports on an earlier line (a wait that fires)
+  are sorted apart and merged in when the report is written (``_merged``), by the place
+  recorded for each spooled one; rule sets that can report so keep the spool.
 
-It gives the engine's verdicts, counts and summary exactly (``tests/test_loglane.py``
-compares both on random logs, every format). What it cannot reproduce it does not
-attempt: it is chosen only for text and JSON reports of regular files in the action-log
-format, and it gives up (``LaneAborted``) when a session would have been evicted (more
-open sessions than ``max_sessions``) or could have expired (event times spanning the
-idle timeout); replay then runs the engine from the start.
+It gives the engine's verdicts, counts and summary exactly (``tests/test_loglane.py`` and
+``tests/test_loglane_sessions.py`` compare both on random logs, every format). What it
+cannot reproduce it does not attempt: it is chosen only for text and JSON reports of regular
+files in the action-log format, and it gives up (``LaneAborted``) when a session would have
+been evicted (more open sessions than ``max_sessions``) or could have expired (event times
+spanning the idle timeout); replay then runs the engine from the start.
 
 The generated source is parsed and checked against a short list of node types and names
 before it is compiled (``_check_source``): it can only read the record and call the
@@ -37,16 +41,17 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import hashlib
 import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final, NamedTuple, TextIO
 
 import orjson
+from xxhash import xxh3_128_digest
 
 from processor.convert.actionlog import (
     TYPED_LINE_MAX_BYTES,
@@ -81,17 +86,23 @@ from processor.report import (
     json_report_parts,
     printable,
     span_where,
+    violation_where,
 )
+from processor.state.file_ids import FileIds
+from processor.state.session import MISSING
 from processor.summary import EngineSummary, SessionSummary
-from processor.violations import make_violation_id
+from processor.violations import Violation, make_violation_id
 
 if TYPE_CHECKING:
     from processor.evaluate.engine import Engine, _Plan
-    from processor.report import Report
 
 log = logging.getLogger("durable_check.replay")
 
-_MISSING_KEPT: Final = object()
+# What a kept tuple holds for a field the record lacks: the engine's marker, so that FileIds numbers such tuples.
+_MISSING_KEPT: Final = MISSING
+# A file's ids are a dict (fastest) up to this many, then FileIds (16 bytes an id): a long log's ids
+# would otherwise be most of what replay holds.
+_IDS_IN_DICT: Final = 1 << 16
 # Action ids longer than this are remembered as a 16-byte digest (the engine's), shorter ones as themselves.
 _SHORT_ID: Final = 16
 # What the typed decoder raises for a line it does not take (the general path then reads it).
@@ -106,6 +117,10 @@ _TYPED_RETRY: Final = 8
 # What a JSON report's violations list is moved by at a time, when its head came out another
 # length than the one it was placed after (see LogLane.write_into).
 _MOVE_CHUNK: Final = 1 << 20
+# A spooled violation's place is (input << _LINE_BITS) | line: lines below 2**40.
+_LINE_BITS: Final = 40
+# The last line of an object in a JSON spool (json_block form): its closing brace at the list's indentation.
+_OBJECT_ENDS: Final = frozenset({b"    }", b"    },\n"})
 
 
 class LaneAborted(Exception):
@@ -151,6 +166,9 @@ class LogLane:
         # Lines per stretch (the unit of the switch between typed decoders), and the lines read in
         # stretches of each typed decoder (a diagnostic: how often lines carried fields no rule names).
         self.stretch = _STRETCH
+        # How many ids a file rule's groups hold in a dict before they move to FileIds.
+        self.ids_in_dict = _IDS_IN_DICT
+        self.ids_moved = 0  # a diagnostic: how many times a file's ids moved
         self.stretch_lines: dict[str, int] = {"strict": 0, "open": 0}
         self.reason = _unsupported_reason(engine)
         self.usable = self.reason is None
@@ -162,15 +180,36 @@ class LogLane:
         self._act = engine._act
         self._meta = engine._meta
         # Per file rule, the groups of the file being read (cleared for the next): action id -> kept fields.
-        self._file_groups: list[dict[Any, tuple[Any, ...]]] = [{} for _ in self._file_plans]
+        self._file_groups: list[Any] = [{} for _ in self._file_plans]  # dicts, or _DigestedIds
         # A fired file rule's ``first`` map, for its message.
         self._views: dict[int, dict[str, Any]] = {}
         self._generated = _generate(self._conditions, self._file_plans, self)
+        # Session rules (sequence, change, count, absence per session) run on the engine's own
+        # handlers and state, a line at a time in input order (Engine.log_session_rules): one
+        # implementation of them, whichever path reads the log. They read the record as a map.
+        self._session_rules = _session_rules_on_logs(engine)
+        # Violations a session rule reports on an earlier line than the one being read (a wait
+        # that fires, a sequence reported on its opener): sorted apart (spilled past a bound, as
+        # the engine's report does) and merged into the spooled ones when the report is written,
+        # by the keys recorded for those (see _merged_lines).
+        self._late_possible = self._session_rules and any(
+            (plan.kind == "absence" or plan.report_first) and not _never_opens_on_logs(plan)
+            for plan in engine._stateful_plans
+            if not plan.file_scope
+        )
+        self._late: Report | None = None
+        # Per spooled violation, when late ones are possible: (input, line), its time, its rule's rank.
+        self._keys_at = array("q")
+        self._keys_time = array("q")
+        self._keys_rank = array("I")
+        rule_ids = sorted({plan.id for plan in (*engine._condition_plans, *engine._stateful_plans,
+                                                *engine._malformed_plans)})
+        self._rule_rank = {rule: rank for rank, rule in enumerate(rule_ids)}
         # The twin for typed lines, when the rule set allows it (see _typed_fields).
         self._typed: _Generated | None = None
         self._decode: Callable[[bytes], Any] | None = None
         self._open_decode: Callable[[bytes], Any] | None = None
-        extras = _typed_fields((*self._conditions, *self._file_plans))
+        extras = None if self._session_rules else _typed_fields((*self._conditions, *self._file_plans))
         if extras is not None and not self._generated.fallback:
             decoders = typed_decoder(extras)
             try:
@@ -189,10 +228,8 @@ class LogLane:
         self._malformed_messages = [_malformed_message(plan.rule.message, helpers) for plan in self._malformed]
         self._malformed_heads = [printable(f"{plan.id} {plan.name}: ") for plan in self._malformed]
         # Per file rule: its groups and what a malformed line's id opens them with.
-        self._file_missing = [
-            (groups, (_MISSING_KEPT,) * len(plan.first_names))
-            for groups, plan in zip(self._file_groups, self._file_plans, strict=True)
-        ]
+        self._file_missing: list[tuple[Any, tuple[Any, ...]]] = []
+        self._bind_groups(None, None)
         self._width = self._malformed_offset + len(self._malformed)
         # The report's violations, in its order, until written: text lines, or the JSON report's
         # violations list as it will be written (blocks and the ",\n" between), copied out as it is.
@@ -217,6 +254,8 @@ class LogLane:
         """
         if not self._text and reread is None:
             raise ValueError("a JSON report is written into a file that can be read again")
+        if self._late_possible:
+            return  # late violations are merged in when the report is written: a spool it is
         self._spool = report_file
         self._direct = True
         self._start = report_file.tell()
@@ -247,6 +286,9 @@ class LogLane:
         self._several = len(report.inputs) > 1
         self._report = report
         self._lines: list[str] = []
+        self._found: list[Violation] = []
+        if self._late_possible:
+            self._late = Report(report.inputs)
         if self._placing():
             self._input_bytes = _sizes(inputs)
         for path in inputs:
@@ -262,6 +304,9 @@ class LogLane:
                 if message not in said:
                     said.add(message)
                     sys.stderr.write(f"durable-check: {message}\n")
+        if self._session_rules:
+            # The end of the input: deadlines up to the last event time fire (Engine.finish).
+            self._set_aside(self.engine.finish())
         self._flush()
         if self._held:
             self._place(self._actions, self._malformed_count, final=True)
@@ -277,6 +322,9 @@ class LogLane:
         assert spool is not None
         if self._direct:
             spool.flush()  # the lines are in the file: the tail follows them through the text layer
+        elif self._late is not None and self._late.violation_count:
+            for piece in self._merged(spool, text=True):
+                out.write(piece)
         else:
             copy_utf8(spool, out)
         write_text_tail(self._report, out)
@@ -288,6 +336,9 @@ class LogLane:
 
         spool = self._spool
         assert spool is not None
+        if self._late is not None and self._late.violation_count:
+            write_json(self._report, out, lambda into: into.writelines(self._merged(spool, text=False)))
+            return
         if not self._direct:
             write_json(self._report, out, lambda into: copy_utf8(spool, into))
             return
@@ -315,6 +366,54 @@ class LogLane:
         if self._spool is not None and not self._direct:
             self._spool.close()
         self._spool = None
+        if self._late is not None:
+            self._late.close()
+
+    def _merged(self, spool: IO[bytes], *, text: bool) -> Iterator[str]:
+        """The spooled violations (text lines, or the JSON list's objects) with the late ones
+        merged in, in the report's order: by input, line, time, then rule id; a spooled one
+        first on a tie, as it was found first."""
+        late = self._late
+        assert late is not None
+        position = self._report._position
+        rank = self._rule_rank
+        several = self._several
+
+        def late_key(v: Violation) -> tuple[int, int, int]:
+            place = (position.get(v.origin, len(position)) << _LINE_BITS) | (v.line or 0)
+            return (place, v.time_ns or 0, rank[v.rule])
+
+        def late_piece(v: Violation) -> str:
+            if text:
+                return printable(f"{violation_where(v, several)}: {v.rule} {v.name}: {v.message}") + "\n"
+            return bytes(json_block_bytes([v.to_json()])).decode()
+
+        pending = late.ordered()
+        waiting = next(pending, None)
+        waiting_key = late_key(waiting) if waiting is not None else None
+        keys = zip(self._keys_at, self._keys_time, self._keys_rank, strict=True)
+        pieces = 0
+        for piece in _spooled(spool, text=text):
+            key = next(keys)
+            while waiting is not None and waiting_key < key:  # type: ignore[operator]
+                if pieces and not text:
+                    yield ",\n"
+                yield late_piece(waiting)
+                pieces += 1
+                waiting = next(pending, None)
+                waiting_key = late_key(waiting) if waiting is not None else None
+            if pieces and not text:
+                yield ",\n"
+            yield piece
+            pieces += 1
+        if next(keys, None) is not None:
+            raise AssertionError("the spool holds fewer violations than were recorded")
+        while waiting is not None:
+            if pieces and not text:
+                yield ",\n"
+            yield late_piece(waiting)
+            pieces += 1
+            waiting = next(pending, None)
 
     def _read(self, blocks: Iterable[tuple[int, Any, bool]], origin: str) -> None:
         from processor.receive._streams import TooLong
@@ -336,8 +435,8 @@ class LogLane:
         single_json = not self._text
         objects = self._objects
         violation_json = self._violation_json
-        for groups in self._file_groups:
-            groups.clear()  # a file's ids are its own (log_scope: file)
+        for position in range(len(self._file_groups)):
+            self._bind_groups(position, {})  # a file's ids are its own (log_scope: file)
         fallback = plain.fallback
         act = self._act
         meta = self._meta
@@ -348,6 +447,18 @@ class LogLane:
         actions = 0
         typed_rest = 0  # stretches left to read with the open decoder
         stretch_length = self.stretch
+        session_rules = self._session_rules
+        session_stage = self._session_stage
+        keyed = self._late_possible
+        at_base = self._report._position.get(origin, len(self._report._position)) << _LINE_BITS
+        keys_at, keys_time, keys_rank = self._keys_at, self._keys_time, self._keys_rank
+        ranks = [self._rule_rank[plan.id] for plan in plain.plans]
+        if session_rules:
+            from processor.receive.files import LINES_PER_BATCH
+
+            # The engine ends a batch every LINES_PER_BATCH lines of a block (replay's batches):
+            # its bound on remembered entries is applied at the same points.
+            batch_stretches = max(1, LINES_PER_BATCH // stretch_length)
         for first_line, block, has_too_long in blocks:
             number = first_line - 1
             placing = self._placing()
@@ -356,6 +467,8 @@ class LogLane:
             counts = self._counts
             width = self._width
             for start in range(0, len(block), stretch_length):
+                if session_rules and start and (start // stretch_length) % batch_stretches == 0:
+                    self.engine.end_log_batch()
                 stretch = block[start : start + stretch_length] if len(block) > stretch_length else block
                 decode = strict if typed_rest == 0 else open_decode
                 typed_rest = max(0, typed_rest - 1)
@@ -423,6 +536,14 @@ class LogLane:
                         meta["line"] = number
                         meta["time_ns"] = t or 0
                     check(record, number, t, hits)
+                    if session_rules:
+                        found = session_stage(record, origin, number, t)
+                        if found:
+                            # A session rule fired on this line: its violations join the line's, by rule id.
+                            self._emit(hits, record, False, session_id, record["action_id"], kind, number, t, origin,
+                                       found)
+                            hits.clear()
+                            continue
                     if hits:
                         generated = typed if is_typed else plain
                         assert generated is not None
@@ -433,6 +554,10 @@ class LogLane:
                             continue
                         # The common case, inline: one violation on a line.
                         position = hits.pop()
+                        if keyed:
+                            keys_at.append(at_base | number)
+                            keys_time.append(t or 0)
+                            keys_rank.append(ranks[position])
                         tally = counts.get(session_id)
                         if tally is None:
                             tally = counts[session_id] = [0] * width
@@ -458,8 +583,14 @@ class LogLane:
                 if lines:
                     # A stretch's lines at a time: written while they are still in the CPU's cache.
                     self._flush()
+                for position, groups in enumerate(self._file_groups):
+                    if type(groups) is dict and len(groups) > self.ids_in_dict:
+                        self._bind_groups(position, _digested(groups))
+                        self.ids_moved += 1
             if placing and self._held:
                 self._place(self._actions + actions, self._malformed_count)
+            if session_rules:
+                self.engine.end_log_batch()
         self._actions += actions
         if fallback:
             act["record"] = _EMPTY_RECORD
@@ -533,6 +664,19 @@ class LogLane:
         finally:
             act["first"] = _EMPTY_RECORD
 
+    def _bind_groups(self, position: int | None, groups: Any) -> None:
+        """Make ``groups`` the file rule's at ``position`` (None: only refresh what names them),
+        in the generated code too."""
+        if position is not None:
+            self._file_groups[position] = groups
+            for generated in (self._generated, self._typed):
+                if generated is not None:
+                    generated.check.__globals__[f"_g{position}"] = groups
+        self._file_missing = [
+            (groups, (_MISSING_KEPT,) * len(plan.first_names))
+            for groups, plan in zip(self._file_groups, self._file_plans, strict=True)
+        ]
+
     def rule_error(self, plan: _Plan, where: str) -> None:
         self.engine._rule_error(plan, where)
 
@@ -547,10 +691,15 @@ class LogLane:
         session_id = item.session_id or None
         if session_id is not None and session_id not in self._sessions:
             self._new_session(session_id)
+        if session_id is not None and self._session_rules and not self.engine.log_session(session_id):
+            raise LaneAborted("more sessions than max_sessions: some would be evicted")
         tally = self._tally(session_id)
         line = item.line or 0
+        keyed = self._late_possible
         for index, plan in enumerate(self._malformed):
             tally[self._malformed_offset + index] += 1
+            if keyed:
+                self._key(origin, line, None, plan.id)
             messages = self._malformed_messages[index]
             if messages is None:
                 meta = {"source": "log", "line": line, "problem": item.message}
@@ -573,13 +722,20 @@ class LogLane:
 
     def _emit(  # noqa: PLR0917 (the hot path passes positions, not names)
         self, hits: list[int], record: Any, is_typed: bool, session_id: str, action_id: str, kind: str, line: int,
-        t: int | None, origin: str,
+        t: int | None, origin: str, found: list[Violation] | None = None,
     ) -> None:
-        """The violations of one record (a dict, or a typed line), written in the report's order (rule id)."""
+        """The violations of one record (a dict, or a typed line), written in the report's order (rule id);
+        ``found``: the session rules' violations on it (the engine's), placed among them."""
         generated = self._typed if is_typed else self._generated
         assert generated is not None
         tally = self._tally(session_id)
         ordered = hits if len(hits) == 1 else sorted(hits, key=generated.rank.__getitem__)
+        if found:
+            self._emit_with(ordered, found, record, session_id, action_id, kind, line, t, origin)
+            return
+        if self._late_possible:
+            for position in ordered:
+                self._key(origin, line, t, generated.plans[position].id)
         conditions = len(self._conditions)
         if self._text:
             prefix = f"{_where(record, is_typed, session_id, action_id, line)}: "
@@ -599,6 +755,78 @@ class LogLane:
             message = generated.messages[position](record, first, line, t)
             self._add_json(self._violation_json(generated.plans[position], record, get, session_id, action_id, kind,
                                                 line, t, origin, message))
+
+    def _emit_with(  # noqa: PLR0917 (as _emit)
+        self, ordered: list[int], found: list[Violation], record: Any, session_id: str, action_id: str, kind: str,
+        line: int, t: int | None, origin: str,
+    ) -> None:
+        """A line's violations when session rules fired on it too: the lane's hits (dict records) and
+        the engine's violations, in rule-id order (the engine's in the order it found them)."""
+        generated = self._generated
+        plans = generated.plans
+        conditions = len(self._conditions)
+        tally = self._tally(session_id)
+        merged: list[tuple[str, int, int | Violation]] = [(plans[p].id, 0, p) for p in ordered]
+        merged.extend((v.rule, 1, v) for v in found)
+        merged.sort(key=lambda entry: (entry[0], entry[1]))  # stable: ties keep their order
+        for rule, _, entry in merged:
+            if self._late_possible:
+                self._key(origin, line, t, rule)
+            if isinstance(entry, Violation):
+                self._add_found(entry)
+                continue
+            tally[entry] += 1
+            first = self._views.pop(entry, None) if entry >= conditions else None
+            if self._text:
+                prefix = f"{_where(record, False, session_id, action_id, line)}: "
+                if self._several:
+                    prefix = f"{_printable(origin)}: {prefix}"
+                self._lines.append(prefix + generated.heads[entry] + generated.printed[entry](record, first, line, t))
+            else:
+                message = generated.messages[entry](record, first, line, t)
+                self._add_json(self._violation_json(plans[entry], record, dict.get, session_id, action_id, kind,
+                                                    line, t, origin, message))
+
+    def _add_found(self, violation: Violation) -> None:
+        """One of the engine's violations, as the engine's report writes it."""
+        if self._text:
+            self._lines.append(printable(f"{violation_where(violation, self._several)}: {violation.rule} "
+                                         f"{violation.name}: {violation.message}"))
+        else:
+            self._add_json(violation.to_json())
+
+    def _session_stage(self, record: dict[str, Any], origin: str, line: int, t: int | None) -> list[Violation]:
+        """The session rules on a valid line (the engine's handlers); returns the violations on
+        this line, and sets aside those on earlier lines (late)."""
+        engine = self.engine
+        if not engine.log_session(record["session_id"]):
+            raise LaneAborted("more sessions than max_sessions: some would be evicted")
+        out = self._found
+        engine.log_session_rules(Action(record, "log", origin, line, t), out)
+        if not out:
+            return out
+        self._found = []
+        if all(v.line == line and v.origin == origin for v in out):
+            return out
+        now = [v for v in out if v.line == line and v.origin == origin]
+        self._set_aside([v for v in out if not (v.line == line and v.origin == origin)])
+        return now
+
+    def _set_aside(self, violations: list[Violation]) -> None:
+        """Violations reported on earlier lines: merged into the report's order when it is written."""
+        if not violations:
+            return
+        late = self._late
+        if late is None:  # a rule set where none was expected: the engine's report will be right
+            raise LaneAborted("a session rule reported on an earlier line")
+        late.add(violations)
+
+    def _key(self, origin: str, line: int, t: int | None, rule: str) -> None:
+        """Record a spooled violation's place in the report's order (see _merged_lines)."""
+        position = self._report._position
+        self._keys_at.append((position.get(origin, len(position)) << _LINE_BITS) | line)
+        self._keys_time.append(t or 0)
+        self._keys_rank.append(self._rule_rank[rule])
 
     def _tally(self, session_id: str | None) -> list[int]:
         """The session's violations per rule position (None: malformed lines without a session).
@@ -745,22 +973,51 @@ class LogLane:
                     if session_id is not None:
                         found = by_session.setdefault(session_id, {})
                         found[rule] = found.get(rule, 0) + n
-        sessions = [
-            SessionSummary(
-                session_id=session_id,
-                actions_by_kind=kinds[session_id],
-                violations_by_rule=by_session.get(session_id, {}),
-                open_waits=[],
-            )
-            for session_id in sorted(self._sessions)
-        ]
+        engine = self.engine
+        counters = engine._state.counters
+        if not self._session_rules:
+            sessions = [
+                SessionSummary(
+                    session_id=session_id,
+                    actions_by_kind=kinds[session_id],
+                    violations_by_rule=by_session.get(session_id, {}),
+                    open_waits=[],
+                )
+                for session_id in sorted(self._sessions)
+            ]
+        else:
+            # The session rules' part is the engine's: its violations, open waits and late resolutions.
+            for rule, n in engine._state.violations_by_rule.items():
+                by_rule[rule] = by_rule.get(rule, 0) + n
+            sessions = []
+            for session_id in sorted(self._sessions):
+                state = engine._sessions.get(session_id)
+                counted = by_session.get(session_id, {})
+                if state is None:
+                    sessions.append(SessionSummary(session_id=session_id, actions_by_kind=kinds[session_id],
+                                                   violations_by_rule=counted, open_waits=[]))
+                    continue
+                held = engine._session_summary(state, "open")
+                for rule, n in held.violations_by_rule.items():
+                    counted[rule] = counted.get(rule, 0) + n
+                sessions.append(SessionSummary(
+                    session_id=session_id,
+                    actions_by_kind=kinds[session_id],
+                    violations_by_rule=dict(sorted(counted.items())),
+                    open_waits=held.open_waits,
+                    waits_resolved_late=held.waits_resolved_late,
+                ))
         return EngineSummary(
             sessions=sessions,
             actions_seen=self._actions,
             actions_evaluated=self._actions,
             malformed=self._malformed_count,
             violations_by_rule=by_rule,
-            rule_errors=dict(self.engine._state.rule_errors),
+            rule_errors=dict(engine._state.rule_errors),
+            open_waits=[w for s in sessions for w in s.open_waits],
+            groups_dropped=counters["groups_dropped"],
+            waits_resolved_late=counters["waits_resolved_late"],
+            fired_waits_dropped=counters["fired_waits_dropped"],
             watermark_ns=self._max_t,
         )
 
@@ -774,13 +1031,18 @@ def _unsupported_reason(engine: Engine) -> str | None:
         return "serve"
     if engine._telemetry is not None:
         return "telemetry"
-    for plan in engine._stateful_plans:
-        if plan.file_scope and plan.kind == "sequence" and plan.compact and not plan.keep_latest:
-            continue
-        if plan.kind in ("sequence", "absence") and _never_opens_on_logs(plan):
-            continue
-        return f"rule {plan.id} keeps per-session state"
+    # File-scope rules are compact sequences keeping their first opener (rulefmt refuses any
+    # other): the generated code models exactly those.
     return None
+
+
+def _session_rules_on_logs(engine: Engine) -> bool:
+    """Whether a session rule can do anything on an action log (one whose ``first`` requires a
+    span can neither open nor fire there)."""
+    return any(
+        not plan.file_scope and not (plan.kind in ("sequence", "absence") and _never_opens_on_logs(plan))
+        for plan in engine._stateful_plans
+    )
 
 
 def _never_opens_on_logs(plan: _Plan) -> bool:
@@ -1249,6 +1511,29 @@ def _check_source(tree: ast.AST, names: set[str], record_attributes: frozenset[s
             raise AssertionError(f"generated rule code reads attribute {node.attr!r}")
 
 
+def _spooled(spool: IO[bytes], *, text: bool) -> Iterator[str]:
+    """The spool's violations one at a time: text lines (with their newline), or the JSON
+    list's objects (json_block form, without the ",\n" between them)."""
+    spool.flush()
+    spool.seek(0)
+    if text:
+        for raw in spool:
+            yield raw.decode()
+        return
+    # An object's last line is its closing brace at the list's indentation (nested objects are
+    # indented deeper, and strings hold no raw newline): "    }", then ",\n" unless it is the last.
+    held: list[bytes] = []
+    for raw in spool:
+        if raw in _OBJECT_ENDS:
+            held.append(b"    }")
+            yield b"".join(held).decode()
+            held.clear()
+        else:
+            held.append(raw)
+    if held:
+        raise AssertionError("the JSON spool ends inside a violation")
+
+
 def _text(value: Any, limit: int) -> str:
     """MessageTemplate.render's text of one value."""
     text = "null" if value is None else ("true" if value is True else "false" if value is False else str(value))
@@ -1276,7 +1561,38 @@ def _cut(text: str, limit: int) -> str:
 
 
 def _digest(action_id: str) -> bytes:
-    return hashlib.blake2b(action_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return xxh3_128_digest(action_id.encode("utf-8", "surrogatepass"))
+
+
+class _DigestedIds:
+    """A file's ids past _IDS_IN_DICT: FileIds, keyed as the generated code keys the dict (a
+    short id as itself, a long one by its digest), every key digested."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: FileIds) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def get(self, key: str | bytes) -> tuple[Any, ...] | None:
+        return self.ids.get(key if type(key) is bytes else _digest(key))  # type: ignore[arg-type]
+
+    def __setitem__(self, key: str | bytes, kept: tuple[Any, ...]) -> None:
+        self.ids.put(key if type(key) is bytes else _digest(key), kept)  # type: ignore[arg-type]
+
+    def setdefault(self, key: str | bytes, kept: tuple[Any, ...]) -> None:
+        self.ids.setdefault(key if type(key) is bytes else _digest(key), kept)  # type: ignore[arg-type]
+
+
+def _digested(groups: dict[Any, tuple[Any, ...]]) -> _DigestedIds:
+    """A file's ids so far, moved to FileIds."""
+    moved = _DigestedIds(FileIds())
+    for key, kept in groups.items():
+        moved[key] = kept
+    groups.clear()
+    return moved
 
 
 def _sizes(inputs: list[str]) -> int:

@@ -74,7 +74,7 @@ _OTHER_SIGNAL_KEYS: Final = ("resourceLogs", "resourceMetrics", "resourceProfile
 Item = Action | Malformed | SessionMark
 # Lines parsed and handed on at a time: big enough that per-batch costs vanish, small
 # enough that a batch's records stay a few megabytes.
-_LINES_PER_BATCH: Final = 4096
+LINES_PER_BATCH: Final = 4096
 
 
 @dataclass(slots=True)
@@ -313,7 +313,7 @@ def _in_batches(items: Iterator[Item]) -> Iterator[Batch]:
     for item in items:
         batch.append(item)
         actions += isinstance(item, Action)
-        if len(batch) >= _LINES_PER_BATCH:
+        if len(batch) >= LINES_PER_BATCH:
             yield Batch(batch, actions)
             batch, actions = [], 0
     if batch:
@@ -338,8 +338,8 @@ def _read_actions(chunks: Iterator[bytes], origin: str, max_line: int) -> Iterat
     last = 0  # number of the last line read
     try:
         for block, has_too_long in line_blocks(chunks, max_line):
-            for start in range(0, len(block), _LINES_PER_BATCH):
-                part = block[start : start + _LINES_PER_BATCH]
+            for start in range(0, len(block), LINES_PER_BATCH):
+                part = block[start : start + LINES_PER_BATCH]
                 items: list[Action | Malformed] = []
                 before = seq
                 if not has_too_long:

@@ -191,7 +191,7 @@ class LogLane:
         # Violations a session rule reports on an earlier line than the one being read (a wait
         # that fires, a sequence reported on its opener): sorted apart (spilled past a bound, as
         # the engine's report does) and merged into the spooled ones when the report is written,
-        # by the keys recorded for those (see _merged_lines).
+        # by the keys recorded for those (see _merged).
         self._late_possible = self._session_rules and any(
             (plan.kind == "absence" or plan.report_first) and not _never_opens_on_logs(plan)
             for plan in engine._stateful_plans
@@ -554,7 +554,7 @@ class LogLane:
                             continue
                         # The common case, inline: one violation on a line.
                         position = hits.pop()
-                        if keyed:
+                        if keyed:  # _key, inline: this runs once per violation
                             keys_at.append(at_base | number)
                             keys_time.append(t or 0)
                             keys_rank.append(ranks[position])

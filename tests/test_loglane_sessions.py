@@ -181,7 +181,8 @@ def test_waits_that_fire_late_are_reported_in_the_engines_order(
             assert report["waits_resolved_late"] == 1
 
 
-def _engine_report(path: str, options: EngineOptions, fmt: str) -> str:
+def _engine_report(path: str, options: EngineOptions, fmt: str) -> tuple[str, dict[str, int]]:
+    """The engine's report of ``path`` and its counters."""
     ruleset = load_rules([])
     pipeline = Pipeline(Engine(ruleset, options))
     report = Report([path])
@@ -190,16 +191,19 @@ def _engine_report(path: str, options: EngineOptions, fmt: str) -> str:
         report.add(pipeline.process(batch.items))
     report.add(pipeline.finish())
     report.summary = pipeline.engine.summary()
+    counters = dict(pipeline.engine._state.counters)
     if fmt == "text":
-        return render_text(report)
+        return render_text(report), counters
     out = io.StringIO()
     write_json(report, out)
-    return out.getvalue()
+    return out.getvalue(), counters
 
 
-def _lane_report(path: str, options: EngineOptions, fmt: str) -> str:
+def _lane_report(path: str, options: EngineOptions, fmt: str, stretch: int | None = None) -> str:
     lane = LogLane(Engine(load_rules([]), options), fmt)
     assert lane.usable
+    if stretch is not None:
+        lane.stretch = stretch
     report = Report([path])
     try:
         lane.run([path], None, report, set())
@@ -213,10 +217,22 @@ def _lane_report(path: str, options: EngineOptions, fmt: str) -> str:
     return out.getvalue()
 
 
+_BOUNDS: Final = {
+    "groups-and-fired-waits": EngineOptions(mode="replay", max_groups_per_rule=3, max_fired_waits_per_session=1),
+    "remembered-entries": EngineOptions(mode="replay", max_remembered_entries=1000),
+}
+
+
+@pytest.mark.parametrize("stretch", [None, 1000], ids=["stretch-default", "stretch-1000"])
+@pytest.mark.parametrize("bound", sorted(_BOUNDS))
 @pytest.mark.parametrize("fmt", ["text", "json"])
-def test_the_engines_bounds_hold_in_the_lane_as_in_the_engine(fmt: str, tmp_path: Path) -> None:
+def test_the_engines_bounds_hold_in_the_lane_as_in_the_engine(
+    fmt: str, bound: str, stretch: int | None, tmp_path: Path
+) -> None:
     """Groups per rule, fired waits per session and remembered entries: past each bound the
-    lane forgets what the engine forgets (it runs the same state, with batches ended at the same lines)."""
+    lane forgets what the engine forgets. It runs the same state, with batches ended at the
+    same lines (where the remembered entries are trimmed), whatever length of stretch it reads
+    lines by."""
     lines: list[bytes] = []
     for n in range(6000):
         session = f"s{n % 40}"
@@ -228,14 +244,14 @@ def test_the_engines_bounds_hold_in_the_lane_as_in_the_engine(fmt: str, tmp_path
             record.update(approval_decision="granted")
         lines.append(orjson.dumps(record))
     path = _write(str(tmp_path), "bounded.jsonl", lines)
-    options = EngineOptions(mode="replay", max_groups_per_rule=3, max_fired_waits_per_session=1,
-                            max_remembered_entries=1000)
-    engine_out = _engine_report(path, options, fmt)
-    assert _lane_report(path, options, fmt) == engine_out
-    if fmt == "json":
-        report = orjson.loads(engine_out)
-        assert report["groups_dropped"] > 0
-        assert report["fired_waits_dropped"] > 0
+    options = _BOUNDS[bound]
+    engine_out, counters = _engine_report(path, options, fmt)
+    assert _lane_report(path, options, fmt, stretch) == engine_out
+    if bound == "remembered-entries":
+        assert counters["entries_dropped"] > 0
+    else:
+        assert counters["groups_dropped"] > 0
+        assert counters["fired_waits_dropped"] > 0
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -457,8 +458,10 @@ class LogLane:
             from processor.receive.files import LINES_PER_BATCH
 
             # The engine ends a batch every LINES_PER_BATCH lines of a block (replay's batches):
-            # its bound on remembered entries is applied at the same points.
-            batch_stretches = max(1, LINES_PER_BATCH // stretch_length)
+            # its bound on remembered entries is applied at the same points, between stretches
+            # of a length that divides it.
+            stretch_length = math.gcd(stretch_length, LINES_PER_BATCH)
+            batch_stretches = LINES_PER_BATCH // stretch_length
         for first_line, block, has_too_long in blocks:
             number = first_line - 1
             placing = self._placing()

@@ -1100,10 +1100,6 @@ class Engine:
             released = self._release_one(out)
             state.watermark_ns = max(state.watermark_ns, released)
 
-    def has_session_rules(self) -> bool:
-        """Whether some rule keeps state per session (not only per file)."""
-        return any(not plan.file_scope for plan in self._stateful_plans)
-
     def log_session(self, session_id: str) -> bool:
         """The action-log lane: look ``session_id`` up as a record or a malformed line of it does
         (the least recently active sessions are trimmed first). False, with nothing done, when

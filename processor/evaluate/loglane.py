@@ -386,7 +386,7 @@ class LogLane:
 
         def late_piece(v: Violation) -> str:
             if text:
-                return printable(f"{violation_where(v, several)}: {v.rule} {v.name}: {v.message}") + "\n"
+                return _found_line(v, several) + "\n"
             return bytes(json_block_bytes([v.to_json()])).decode()
 
         pending = late.ordered()
@@ -793,8 +793,7 @@ class LogLane:
     def _add_found(self, violation: Violation) -> None:
         """One of the engine's violations, as the engine's report writes it."""
         if self._text:
-            self._lines.append(printable(f"{violation_where(violation, self._several)}: {violation.rule} "
-                                         f"{violation.name}: {violation.message}"))
+            self._lines.append(_found_line(violation, self._several))
         else:
             self._add_json(violation.to_json())
 
@@ -1512,6 +1511,11 @@ def _check_source(tree: ast.AST, names: set[str], record_attributes: frozenset[s
             )
         ):
             raise AssertionError(f"generated rule code reads attribute {node.attr!r}")
+
+
+def _found_line(v: Violation, several: bool) -> str:
+    """One of the engine's violations as the text report prints it (no waivers in the lane)."""
+    return printable(f"{violation_where(v, several)}: {v.rule} {v.name}: {v.message}")
 
 
 def _spooled(spool: IO[bytes], *, text: bool) -> Iterator[str]:

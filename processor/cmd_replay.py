@@ -212,6 +212,7 @@ def _run_replay(args: argparse.Namespace, *, config: Config | None, pipeline: Pi
                     lane.close()
                     report.close()
                 # Nothing was written: start again with a fresh engine and report.
+                pipeline.engine.close()
                 pipeline = Pipeline(Engine(ruleset, options))
                 report = Report(inputs=list(args.inputs))
         # The span converter (and protobuf) is loaded only for replays that may read spans.

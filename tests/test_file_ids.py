@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import tracemalloc
 from typing import Any
@@ -19,27 +20,54 @@ def _digest(rng: random.Random, prefix: bytes = b"") -> bytes:
     return prefix + rng.randbytes(16 - len(prefix))
 
 
-def test_it_answers_as_a_dict_would_for_every_kind_of_kept_tuple() -> None:
+@pytest.mark.parametrize("memory_entries", [256, 4096, 1 << 20])
+def test_it_answers_as_a_dict_would_for_every_kind_of_kept_tuple(memory_entries: int, tmp_path: Any) -> None:
     rng = random.Random(7)
     kinds: list[tuple[Any, ...]] = [("llm_call", MISSING), ("payment", None), (b"\x01" * 8, "x"), (MISSING,),
                                     (1,), (True,), (1.0,), ([1, 2],), ({"a": 1},), (-0.0, "s")]
-    store, reference = FileIds(), {}
+    store, reference = FileIds(memory_entries=memory_entries, directory=str(tmp_path)), {}
     # Crowded buckets (a few first bytes) as well as spread ones.
     prefixes = [b"", b"\x00\x00", b"\xff\x01"]
-    for _ in range(20_000):
-        digest = _digest(rng, rng.choice(prefixes))
-        if digest in reference:
-            continue
-        kept = rng.choice(kinds)
-        store.put(digest, kept)
-        reference[digest] = kept
-    assert len(store) == len(reference)
-    for digest, kept in reference.items():
-        found = store.get(digest)
-        assert found == kept and [type(v) for v in found] == [type(v) for v in kept], (digest, found, kept)
-    for _ in range(5_000):
-        digest = _digest(rng, rng.choice(prefixes))
-        assert store.get(digest) is reference.get(digest)
+    try:
+        for n in range(20_000):
+            digest = _digest(rng, rng.choice(prefixes))
+            if digest in reference:
+                continue
+            kept = rng.choice(kinds)
+            store.put(digest, kept)
+            reference[digest] = kept
+            if n % 97 == 0:  # looked up while its neighbours are still pending, and after they are written
+                probe = rng.choice(list(reference)[-50:])
+                assert store.get(probe) is reference[probe]
+        assert len(store) == len(reference)
+        assert (store.file_bytes > 0) is (memory_entries < 20_000)
+        for digest, kept in reference.items():
+            found = store.get(digest)
+            assert found == kept and [type(v) for v in found] == [type(v) for v in kept], (digest, found, kept)
+        for _ in range(5_000):
+            digest = _digest(rng, rng.choice(prefixes))
+            assert store.get(digest) is reference.get(digest)
+    finally:
+        store.close()
+
+
+def test_ids_that_share_a_fingerprint_are_told_apart_by_their_whole_digest(tmp_path: Any) -> None:
+    store = FileIds(memory_entries=256, directory=str(tmp_path))
+    shared = b"\x07\x07\x07\x07\x07"  # bucket and fingerprint alike
+    ids = [shared + n.to_bytes(2, "big") * 5 + b"\x01" for n in range(600)]
+    for n, digest in enumerate(ids):
+        store.put(digest, (f"k{n % 3}",))
+    try:
+        # The first entries' blocks are on disk: a lookup reads blocks until one holds its digest.
+        assert store.file_bytes >= 256 * 18
+        assert store.get(ids[0]) == ("k0",) and store.disk_reads == 1  # found in the first block
+        assert store.get(ids[599]) == ("k2",) and store.disk_reads == 3  # after the two blocks on disk
+        before = store.disk_reads
+        assert store.get(shared + b"\xfe" * 11) is None  # each block with the fingerprint searched once
+        assert store.disk_reads - before == 2  # two blocks on disk, the third pending
+        assert store.get(ids[300]) == ("k0",)
+    finally:
+        store.close()
 
 
 def test_bytes_that_straddle_two_entries_are_not_an_id() -> None:
@@ -47,11 +75,15 @@ def test_bytes_that_straddle_two_entries_are_not_an_id() -> None:
     first, second = b"\x07\x07" + bytes(range(1, 15)), b"\x07\x07" + bytes(range(101, 115))
     store.put(first, ("a",))
     store.put(second, ("b",))
-    bucket = store._buckets[0x0707]
-    assert bucket is not None and len(bucket) == 32
-    # The bucket's bytes from 8 on: the end of the first entry, its tuple number, the start of the second.
-    straddling = b"\x07\x07" + bytes(bucket[8:22])
+    bucket = store._buckets[(0x07 << 6) | (0x07 >> 2)]
+    assert bucket is not None and len(bucket) == 12
+    # A digest whose fingerprint is the bytes across the two fingerprints: the end of the
+    # first's block number, the start of the second's.
+    straddling = b"\x07\x07" + bytes(bucket[4:7]) + bytes(range(201, 212))
     assert store.get(straddling) is None
+    # An entry's bytes across two entries in the pending block are not an entry either.
+    pending = bytes(store._pending)
+    assert store.get(pending[10:26]) is None
     # Once it is an id of its own, it is found at its entry.
     store.put(straddling, ("c",))
     assert (store.get(first), store.get(second), store.get(straddling)) == (("a",), ("b",), ("c",))
@@ -68,22 +100,57 @@ def test_past_the_numbered_tuples_ids_still_keep_their_own() -> None:
     assert all(store.get(d) == (f"kind-{n}",) for n, d in enumerate(digests))
     with pytest.raises(ValueError, match="16 bytes"):
         store.put(b"short", ("a",))
+    store.close()
 
 
-def test_an_id_takes_about_twenty_bytes_not_a_hundred() -> None:
+def test_the_temporary_file_is_unlinked_and_goes_on_close(tmp_path: Any) -> None:
+    store = FileIds(memory_entries=256, directory=str(tmp_path))
+    rng = random.Random(5)
+    for _ in range(2_000):
+        store.put(_digest(rng), ("llm_call",))
+    assert store.file_bytes == 1792 * 18  # whole blocks written, the rest pending
+    assert list(tmp_path.iterdir()) == []  # nothing to leave behind, even on a crash
+    assert store._file is not None
+    fd = store._file.fileno()
+    store.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_a_file_that_cannot_be_written_keeps_the_ids_in_memory(tmp_path: Any, caplog: Any) -> None:
+    missing = tmp_path / "gone"  # no such directory: the temporary file cannot be made
+    store = FileIds(memory_entries=256, directory=str(missing))
+    rng = random.Random(9)
+    digests = [_digest(rng) for _ in range(3_000)]
+    with caplog.at_level("WARNING", logger="durable_check.state"):
+        for n, digest in enumerate(digests):
+            store.put(digest, (f"k{n % 5}",))
+    assert store.file_bytes == 0 and store.disk_reads == 0
+    assert all(store.get(d) == (f"k{n % 5}",) for n, d in enumerate(digests))
+    warnings = [r for r in caplog.records if "action ids in memory" in r.getMessage()]
+    assert len(warnings) == 1 and str(missing) not in warnings[0].getMessage()
+
+
+def test_an_id_takes_about_six_bytes_of_memory_not_a_hundred(tmp_path: Any) -> None:
     rng = random.Random(11)
     digests = [_digest(rng) for _ in range(500_000)]
     kinds = [("llm_call", MISSING), ("payment", MISSING), ("user_prompt", MISSING)]
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        store = FileIds()
+        store = FileIds(directory=str(tmp_path))
         for n, digest in enumerate(digests):
             store.put(digest, kinds[n % 3])
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert held / len(digests) < 32, held / len(digests)
+    try:
+        # 6 bytes of fingerprint an id, the buckets' slack, and the entries not yet written (295 KB).
+        assert held / len(digests) < 11, held / len(digests)
+        assert store.file_bytes >= 400_000 * 18
+        assert all(store.get(d) == kinds[n % 3] for n, d in enumerate(digests[::1000]))
+    finally:
+        store.close()
     reference = {int.from_bytes(d, "big"): kinds[n % 3] for n, d in enumerate(digests[:50_000])}
     assert len(reference) == 50_000  # what it replaced: a dict of 128-bit ints, over 100 bytes an id
 

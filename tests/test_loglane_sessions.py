@@ -192,11 +192,15 @@ def _engine_report(path: str, options: EngineOptions, fmt: str) -> tuple[str, di
     report.add(pipeline.finish())
     report.summary = pipeline.engine.summary()
     counters = dict(pipeline.engine._state.counters)
-    if fmt == "text":
-        return render_text(report), counters
-    out = io.StringIO()
-    write_json(report, out)
-    return out.getvalue(), counters
+    try:
+        if fmt == "text":
+            return render_text(report), counters
+        out = io.StringIO()
+        write_json(report, out)
+        return out.getvalue(), counters
+    finally:
+        report.close()
+        pipeline.engine.close()
 
 
 def _lane_report(path: str, options: EngineOptions, fmt: str, stretch: int | None = None) -> str:
@@ -254,12 +258,13 @@ def test_the_engines_bounds_hold_in_the_lane_as_in_the_engine(
         assert counters["fired_waits_dropped"] > 0
 
 
+@pytest.mark.parametrize("ids_in_memory", [16_384, 256])
 @pytest.mark.parametrize("fmt", ["text", "json"])
-def test_a_files_ids_move_to_sixteen_bytes_each_and_still_find_repeats(fmt: str, tmp_path: Path) -> None:
-    """Past a bound a file's ids leave the dict for FileIds (16 bytes an id): repeats of ids
-    seen before the move (short ones and ones long enough to be keyed by their digest), after
-    it, and after a malformed line that named an id, are all still found; a second input
-    starts with its own ids."""
+def test_a_files_ids_move_out_of_the_dict_and_still_find_repeats(fmt: str, ids_in_memory: int, tmp_path: Path) -> None:
+    """Past a bound a file's ids leave the dict for FileIds (6 bytes an id in memory, its entries
+    on disk past ``ids_in_memory``): repeats of ids seen before the move (short ones and ones
+    long enough to be keyed by their digest), after it, and after a malformed line that named
+    an id, are all still found; a second input starts with its own ids."""
     def line(n: int, action: str) -> bytes:
         return orjson.dumps({"session_id": f"s{n % 5}", "action_id": action, "kind": "llm_call", "status": "ok"})
 
@@ -276,6 +281,7 @@ def test_a_files_ids_move_to_sixteen_bytes_each_and_still_find_repeats(fmt: str,
     def lane_report(ids_in_dict: int) -> tuple[str, int]:
         lane = LogLane(Engine(load_rules([]), options), fmt)
         lane.ids_in_dict = ids_in_dict
+        lane.ids_in_memory = ids_in_memory
         lane.stretch = 64  # the bound is looked at after each stretch of lines
         report = Report([first, second])
         try:
@@ -288,6 +294,8 @@ def test_a_files_ids_move_to_sixteen_bytes_each_and_still_find_repeats(fmt: str,
             return out.getvalue(), lane.ids_moved
         finally:
             lane.close()
+            # With few entries in memory, the moved ids' older blocks were on disk.
+            assert (lane.ids_on_disk > 0) is (lane.ids_moved > 0 and ids_in_memory < 500)
 
     engine = Engine(load_rules([]), options)
     pipeline = Pipeline(engine)

@@ -2298,9 +2298,12 @@ class Engine:
         return EngineLoad(len(self._sessions), state.counters["actions_seen"], len(state.buffer), release_by)
 
     def close(self) -> None:
-        """Remove the temporary file of idle sessions' groups (replay's; it also goes with the process)."""
+        """Remove replay's temporary files, of idle sessions' groups and a file's action ids (both go with the
+        process too)."""
         if self._cold is not None:
             self._cold.close()
+        for groups in self._file_groups.values():
+            groups.close()
 
     def summary(self) -> EngineSummary:
         """Per session (open ones, then ended ones still remembered) and totals."""

@@ -89,7 +89,7 @@ from processor.report import (
     span_where,
     violation_where,
 )
-from processor.state.file_ids import FileIds
+from processor.state.file_ids import MEMORY_ENTRIES, FileIds
 from processor.state.session import MISSING
 from processor.summary import EngineSummary, SessionSummary
 from processor.violations import Violation, make_violation_id
@@ -101,7 +101,7 @@ log = logging.getLogger("durable_check.replay")
 
 # What a kept tuple holds for a field the record lacks: the engine's marker, so that FileIds numbers such tuples.
 _MISSING_KEPT: Final = MISSING
-# A file's ids are a dict (fastest) up to this many, then FileIds (16 bytes an id): a long log's ids
+# A file's ids are a dict (fastest) up to this many, then FileIds (6 bytes an id in memory): a long log's ids
 # would otherwise be most of what replay holds.
 _IDS_IN_DICT: Final = 1 << 16
 # Action ids longer than this are remembered as a 16-byte digest (the engine's), shorter ones as themselves.
@@ -169,6 +169,9 @@ class LogLane:
         self.stretch = _STRETCH
         # How many ids a file rule's groups hold in a dict before they move to FileIds.
         self.ids_in_dict = _IDS_IN_DICT
+        # How many of FileIds' entries wait in memory before they are written to its temporary file.
+        self.ids_in_memory = MEMORY_ENTRIES
+        self.ids_on_disk = 0  # bytes of file ids written to temporary files (a diagnostic)
         self.ids_moved = 0  # a diagnostic: how many times a file's ids moved
         self.stretch_lines: dict[str, int] = {"strict": 0, "open": 0}
         self.reason = _unsupported_reason(engine)
@@ -369,6 +372,15 @@ class LogLane:
         self._spool = None
         if self._late is not None:
             self._late.close()
+        for groups in self._file_groups:
+            self._close_ids(groups)
+
+    def _close_ids(self, groups: Any) -> None:
+        """A file's ids are done with: their temporary file goes (its bytes counted in ``ids_on_disk``)."""
+        if type(groups) is _DigestedIds and not groups.closed:
+            self.ids_on_disk += groups.ids.file_bytes
+            groups.ids.close()
+            groups.closed = True
 
     def _merged(self, spool: IO[bytes], *, text: bool) -> Iterator[str]:
         """The spooled violations (text lines, or the JSON list's objects) with the late ones
@@ -588,7 +600,7 @@ class LogLane:
                     self._flush()
                 for position, groups in enumerate(self._file_groups):
                     if type(groups) is dict and len(groups) > self.ids_in_dict:
-                        self._bind_groups(position, _digested(groups))
+                        self._bind_groups(position, _digested(groups, self.ids_in_memory))
                         self.ids_moved += 1
             if placing and self._held:
                 self._place(self._actions + actions, self._malformed_count)
@@ -671,6 +683,7 @@ class LogLane:
         """Make ``groups`` the file rule's at ``position`` (None: only refresh what names them),
         in the generated code too."""
         if position is not None:
+            self._close_ids(self._file_groups[position])
             self._file_groups[position] = groups
             for generated in (self._generated, self._typed):
                 if generated is not None:
@@ -1575,10 +1588,11 @@ class _DigestedIds:
     """A file's ids past _IDS_IN_DICT: FileIds, keyed as the generated code keys the dict (a
     short id as itself, a long one by its digest), every key digested."""
 
-    __slots__ = ("ids",)
+    __slots__ = ("closed", "ids")
 
     def __init__(self, ids: FileIds) -> None:
         self.ids = ids
+        self.closed = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -1593,9 +1607,9 @@ class _DigestedIds:
         self.ids.setdefault(key if type(key) is bytes else _digest(key), kept)  # type: ignore[arg-type]
 
 
-def _digested(groups: dict[Any, tuple[Any, ...]]) -> _DigestedIds:
+def _digested(groups: dict[Any, tuple[Any, ...]], memory_entries: int) -> _DigestedIds:
     """A file's ids so far, moved to FileIds."""
-    moved = _DigestedIds(FileIds())
+    moved = _DigestedIds(FileIds(memory_entries=memory_entries))
     for key, kept in groups.items():
         moved[key] = kept
     groups.clear()

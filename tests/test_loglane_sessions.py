@@ -261,7 +261,7 @@ def test_the_engines_bounds_hold_in_the_lane_as_in_the_engine(
 @pytest.mark.parametrize("ids_in_memory", [16_384, 256])
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_a_files_ids_move_out_of_the_dict_and_still_find_repeats(fmt: str, ids_in_memory: int, tmp_path: Path) -> None:
-    """Past a bound a file's ids leave the dict for FileIds (6 bytes an id in memory, its entries
+    """Past a bound a file's ids leave the dict for FileIds (5 bytes an id in memory, its entries
     on disk past ``ids_in_memory``): repeats of ids seen before the move (short ones and ones
     long enough to be keyed by their digest), after it, and after a malformed line that named
     an id, are all still found; a second input starts with its own ids."""

@@ -101,7 +101,7 @@ log = logging.getLogger("durable_check.replay")
 
 # What a kept tuple holds for a field the record lacks: the engine's marker, so that FileIds numbers such tuples.
 _MISSING_KEPT: Final = MISSING
-# A file's ids are a dict (fastest) up to this many, then FileIds (6 bytes an id in memory): a long log's ids
+# A file's ids are a dict (fastest) up to this many, then FileIds (5 bytes an id in memory): a long log's ids
 # would otherwise be most of what replay holds.
 _IDS_IN_DICT: Final = 1 << 16
 # Action ids longer than this are remembered as a 16-byte digest (the engine's), shorter ones as themselves.

@@ -194,6 +194,27 @@ def test_ds009_keeps_a_lines_kind_not_its_fingerprint_and_still_reports_the_firs
     assert len(ids) == 300 and len(ids._tuples) <= 3 and not ids._other
 
 
+def test_the_engine_finds_repeats_of_ids_whose_entries_went_to_disk() -> None:
+    """Past 16,384 ids a file's entries are written out: the engine still reports a repeat of
+    the first ids, with the kind their first line kept, and nothing for new ids."""
+    engine = Engine(shipped(), EngineOptions())
+    kinds = ["llm_call", "tool_call", "user_prompt"]
+    count = 20_000
+    lines = [log_line(n, session=f"s{n % 50}", action_id=f"a{n}", kind=kinds[n % 3]) for n in range(1, count + 1)]
+    repeats = [1, 2, 5_000, 16_000, 19_999]
+    lines += [log_line(count + i + 1, session="late", action_id=f"a{n}", kind="write") for i, n in enumerate(repeats)]
+    try:
+        out = engine.submit_many(lines) + engine.finish()
+        (ids,) = [g for g in engine._file_groups.values() if len(g)]
+        assert len(ids) == count and ids.file_bytes >= 16_384 * 18
+        found = sorted((v.action_id, v.message.split("first as ")[1].split(",")[0]) for v in out if v.rule == "DS009")
+        assert found == sorted((f"a{n}", kinds[n % 3]) for n in repeats)
+        assert ids.disk_reads >= 3  # the repeats of ids written out were read back
+    finally:
+        engine.close()
+    assert ids._file is None
+
+
 @pytest.mark.parametrize("names", [("a",), ("a", "b"), ("a", "b", "c"), ("a", "b", "c", "d")])
 def test_a_reader_of_some_kept_fields_reads_those_and_leaves_the_others_absent(names: tuple[str, ...]) -> None:
     from itertools import combinations

@@ -91,6 +91,29 @@ def test_bytes_that_straddle_two_entries_are_not_an_id() -> None:
     assert store.get(first) == ("a",) and len(store) == 3
 
 
+def test_bytes_across_two_entries_of_a_block_are_not_an_entry(tmp_path: Any) -> None:
+    """A digest found inside a block but across two entries is not there, in memory or on disk,
+    even when an id of that block shares its fingerprint (so that the block is read)."""
+    store = FileIds(memory_entries=128, directory=str(tmp_path))
+    first, second = bytes(range(16)), bytes(range(100, 116))
+    store.put(first, ("a",))
+    store.put(second, ("a",))
+    entries = bytes(store._pending[: 2 * 18])
+    across = entries[4:20]  # the end of the first digest, its tuple number, the second's start
+    store.put(across[:4] + b"\xee" * 12, ("b",))  # same bucket and fingerprint as ``across``
+    try:
+        assert store.get(across) is None
+        rng = random.Random(13)
+        for _ in range(300):
+            store.put(_digest(rng), ("c",))
+        assert store.file_bytes > 0  # the first block is on disk now
+        reads = store.disk_reads
+        assert store.get(across) is None and store.disk_reads == reads + 1
+        assert store.get(first) == ("a",) and store.get(across[:4] + b"\xee" * 12) == ("b",)
+    finally:
+        store.close()
+
+
 def test_past_the_numbered_tuples_ids_still_keep_their_own() -> None:
     store = FileIds()
     rng = random.Random(3)

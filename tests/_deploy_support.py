@@ -14,7 +14,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,18 +25,14 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.servers import free_port
+
 LOCALHOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
 # uid/gid "nobody": owns nothing on the machine but the test's own directories.
 UNPRIVILEGED_ID = 65534
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 40.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOCALHOST, 0))
-        return int(s.getsockname()[1])
 
 
 def rewrite_for_localhost(config: Any, path_map: Mapping[str, Path]) -> tuple[Any, dict[int, int]]:

@@ -36,10 +36,21 @@ from processor.violations import Violation, make_violation_id
 LOCALHOST = "127.0.0.1"
 
 
+# Ports handed out in this process: a port is released as soon as it is picked, and the
+# kernel may give it to the next bind, so two servers of one test could be told the same one.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOCALHOST, 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 free now, never one handed out before in this test run."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((LOCALHOST, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no port free on 127.0.0.1 that was not handed out already")
 
 
 def require_binary(name: str) -> str:

@@ -147,3 +147,18 @@ def test_the_short_key_shortcut_answers_as_the_full_scan(key: str, time_ns: int)
     # time_derived skips the four scans for a short key with no date and no long digit run; the
     # answer must be the scans' own, whatever the key.
     assert time_derived(key, time_ns) == (bool(key) and functions._full_scan(key, time_ns))
+
+
+# Generated rule code calls timeDerived directly, with no place for an error: it must answer
+# every string and every integer time, whatever they hold (digits of other scripts, odd
+# dates, times at the ends of the 64-bit range).
+_ANY_DIGITS = st.text(alphabet=st.sampled_from("0123456789٠١٢٣٤٥٦٧٨٩０１２３-T:Zz"), max_size=40)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    st.lists(_PIECES, max_size=8).map("".join) | st.text(max_size=60) | _ANY_DIGITS,
+    st.integers(-(2**63), 2**63 - 1) | st.sampled_from([0, NOW_NS]),
+)
+def test_it_answers_every_string_and_integer_time_without_raising(key: str, time_ns: int) -> None:
+    assert type(time_derived(key, time_ns)) is bool

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from processor import cli
 from processor.evaluate.cel import Environment, compile_expression, python_source
 from processor.evaluate.cel._codegen import SourceContext
+from processor.evaluate.functions import time_derived
 from processor.evaluate.loglane import LogLane, _check_source
 from tests.test_skill_parity import _logs, _odd_line, _record
 
@@ -371,6 +372,64 @@ def test_generated_expressions_equal_their_closures(source: str, fields: dict[st
     activation = {"record": record, "meta": {"source": "log", "line": 1, "time_ns": 0, "synthetic_action_id": False},
                   "lists": {"kinds": ["llm_call", "payment"]}}  # fmt: skip
     assert function(record, 1, None) is expression.evaluate(activation)
+
+
+_DS103 = ("has(record.idempotency_key) && record.idempotency_key != null"
+          " && timeDerived(record.idempotency_key, meta.time_ns)")
+
+
+def _with_functions() -> Environment:
+    from processor.evaluate.functions import RULE_FUNCTIONS
+
+    return Environment(variables={"record": "map", "meta": "map"}, functions=RULE_FUNCTIONS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    key=st.one_of(st.none(), st.sampled_from(["", "k-1", "2026-11-01", "o-1793524440", "20261101"]),
+                  st.text(max_size=30)),
+    t=st.one_of(st.none(), st.sampled_from([1_793_524_440_000_000_000]), st.integers(0, 2**63 - 1)),
+)
+def test_a_rule_function_in_generated_code_equals_its_closure(key: str | None, t: int | None) -> None:
+    """DS103's condition is generated code that calls timeDerived with the line's time (0 when it has none)."""
+    from processor.evaluate.loglane import _FUNCTIONS, _META, _RECORD
+
+    expression = compile_expression(_DS103, _with_functions())
+    assert expression.tree is not None
+    context = SourceContext(maps={"record": _RECORD}, meta=dict(_META), functions=_FUNCTIONS)
+    written = python_source(expression.tree, expression.constants, context)
+    assert "_timeDerived(" in written.code
+    function = eval(compile(f"lambda r, line, t: {written.code}", "<test>", "eval"),
+                    {"_timeDerived": time_derived, **context.constants})  # fmt: skip
+    record: dict[str, Any] = {"session_id": "s", "action_id": "a", "kind": "payment", "status": "ok"}
+    if key is not None:
+        record["idempotency_key"] = key
+    activation = {"record": record, "meta": {"source": "log", "line": 1, "time_ns": t or 0}}
+    assert function(record, 1, t) is expression.evaluate(activation)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "timeDerived(record.result, meta.time_ns)",  # an argument of any type
+        "has(record.idempotency_key) && timeDerived(record.idempotency_key, meta.time_ns)",  # may be null
+        "timeDerived(record.kind, meta.line) && record.kind.startsWith('p')",  # a method call
+    ],
+)
+def test_calls_the_generator_cannot_prove_keep_their_closure(source: str) -> None:
+    from processor.evaluate.cel import Unsupported
+    from processor.evaluate.loglane import _FUNCTIONS, _META, _RECORD
+
+    expression = compile_expression(source, _with_functions())
+    assert expression.tree is not None
+    context = SourceContext(maps={"record": _RECORD}, meta=dict(_META), functions=_FUNCTIONS)
+    with pytest.raises(Unsupported):
+        python_source(expression.tree, expression.constants, context)
+    # Without the function in the context, the call itself is refused.
+    plain = compile_expression(_DS103, _with_functions())
+    assert plain.tree is not None
+    with pytest.raises(Unsupported):
+        python_source(plain.tree, plain.constants, SourceContext(maps={"record": _RECORD}, meta=dict(_META)))
 
 
 def _lane_then_engine_log(directory: Path, fmt: str) -> str:

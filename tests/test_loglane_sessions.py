@@ -107,6 +107,48 @@ def test_the_shipped_packs_together_run_in_the_lane() -> None:
     lane = LogLane(Engine(load_rules([])))
     assert lane.usable, lane.reason
     assert lane._session_rules and lane._late_possible
+    # Lines are type-checked in C and read by generated code (DS103's call included); the
+    # session rules read orjson's dict of the same line, which confirms the lenient decoder.
+    assert lane._typed is not None and lane._generated.fallback == 0
+    assert lane._decode is lane._open_decode
+
+
+def _odd_values_log() -> list[bytes]:
+    """Lines the lenient typed decoder takes (it skips fields no rule names, unchecked) and orjson
+    refuses or reads otherwise, among lines that open, repeat and wait in several sessions."""
+    def line(session: str, action: str, kind: str, offset_s: int, extra: bytes = b"", **fields: Any) -> bytes:
+        record: dict[str, Any] = {"session_id": session, "action_id": action, "kind": kind, "status": "ok",
+                                  "time": _time(offset_s), **fields}
+        raw = orjson.dumps(record)
+        return raw[:-1] + b"," + extra + b"}" if extra else raw
+
+    return [
+        line("s1", "a1", "payment", 0, idempotency_key="k1"),
+        line("s1", "a1", "payment", 5, b'"model":"\\ud800"', idempotency_key="k1"),  # a lone surrogate
+        line("s2", "a2", "payment", 6, idempotency_key="k2"),
+        line("s2", "a2", "payment", 7, b'"model":"\xff"', idempotency_key="k2"),  # not UTF-8
+        line("s1", "a3", "tool_call", 8, b'"model":1e400'),  # infinity for orjson: refused
+        line("s1", "a3", "tool_call", 9, b'"model":123456789012345678901234567890'),  # a float for orjson
+        line("s3", "w1", "approval", 10, b'"cost":[1,{"x":null}]', workflow_state="awaiting_approval",
+             wait_timeout_s=60),
+        line("s2", "a2", "payment", 20, b'"note":"\\u00e9t\\u00e9"', idempotency_key="k-changed"),
+        line("s3", "a9", "llm_call", 200, b'"model":"m"'),
+        line("s1", "a1", "payment", 210, b'"model":"\\ud83d\\ude00"', idempotency_key="k1", replayed=True),
+        line("s2", "a4", "payment", 220, b'"result":123456789012345678901234567890', idempotency_key="2026-01-01"),
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_lines_orjson_refuses_or_reads_otherwise_give_the_engine_report(
+    fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    lines = _odd_values_log()
+    assert b"\\ud800" in lines[1] and bytes([0xFF]) in lines[3]
+    log = _write(str(tmp_path), "odd.jsonl", lines)
+    out = _both(["--format", fmt, log], capsys, caplog)
+    # The refused lines are malformed (DS000), the others are judged, the session rules included.
+    for rule in ("DS000", "DS101", "DS102", "DS103", "DS107"):
+        assert rule in out, rule
 
 
 @pytest.mark.parametrize("lateness", [[], ["--allowed-lateness", "0s"], ["--allowed-lateness", "1h"]],

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from keyword import iskeyword
 from typing import Any, Final
 
-from processor.evaluate.cel._ast import Binary, Conditional, Has, Ident, Literal, Logic, Node, Select, Unary
+from processor.evaluate.cel._ast import Binary, Call, Conditional, Has, Ident, Literal, Logic, Node, Select, Unary
 from processor.evaluate.cel._values import UInt
 
 # Python types a value may have, or None when nothing is known.
@@ -95,6 +95,10 @@ class SourceContext:
     meta: Mapping[str, tuple[str, frozenset[type]]]
     # Bound by the caller: constant name -> value (frozensets for ``in``).
     constants: dict[str, Any] = field(default_factory=dict)
+    # Rule functions called directly: name -> (the helper's name in the generated code, the types
+    # each argument must have, the result's types). Only functions that cannot raise on
+    # arguments of those types: the generated code has no place for an evaluation error.
+    functions: Mapping[str, tuple[str, tuple[frozenset[type], ...], frozenset[type]]] = field(default_factory=dict)
 
     def bind(self, value: Any) -> str:
         for name, bound in self.constants.items():
@@ -252,6 +256,8 @@ class _Writer:
             return self.logic(node, facts)
         if isinstance(node, Binary):
             return self.binary(node, facts)
+        if isinstance(node, Call):
+            return self.call(node, facts)
         if isinstance(node, Conditional):
             fixed = self.static_bool(node.cond)  # meta.source == "span": known for the whole lane
             if fixed is True:
@@ -264,6 +270,22 @@ class _Writer:
             types = None if then.types is None or otherwise.types is None else then.types | otherwise.types
             return PythonSource(f"({then.code} if {condition} else {otherwise.code})", types)
         raise Unsupported(type(node).__name__)
+
+    def call(self, node: Call, facts: frozenset[Fact]) -> PythonSource:
+        """A rule function the context binds, on arguments whose types it takes (never a method call)."""
+        known = None if self.context is None or node.target is not None else self.context.functions.get(node.name)
+        if known is None:
+            raise Unsupported(f"a call of {node.name}")
+        code, wanted, result = known
+        if len(node.args) != len(wanted):
+            raise Unsupported(f"{node.name} with {len(node.args)} arguments")
+        args = []
+        for arg, types in zip(node.args, wanted, strict=True):
+            written = self.write(arg, facts)
+            if written.types is None or not written.types <= types:
+                raise Unsupported(f"an argument of {node.name} that may have another type")
+            args.append(written.code)
+        return PythonSource(f"{code}({', '.join(args)})", result)
 
     def boolean(self, node: Node, facts: frozenset[Fact]) -> str:
         written = self.write(node, facts)

@@ -19,8 +19,13 @@ fields), nothing else: no check, no count by session, no report. What this costs
 included, is the least CPU a Python replay of that log can take, so the loop's CPU over
 it is the highest ratio to the ``skill`` loop that any Python replay can reach.
 
+``ideal``: every shipped rule that can fire on an action log, inline, in the least work each
+needs (the floor's parse, plain dicts per session, findings counted): the ceiling of any
+Python evaluator of the default rule set. Replay with all packs is judged against the
+``skill`` loop; this one says how far any Python code could take that ratio.
+
 Each prints one JSON line, ``{"items": N}``, so the harness can check it saw the whole
-input. Run as ``python -m bench.limits {otlp|actions|skill|floor} FILE``.
+input. Run as ``python -m bench.limits {otlp|actions|skill|floor|ideal} FILE``.
 """
 
 from __future__ import annotations
@@ -189,11 +194,193 @@ def skill_floor(path: str) -> tuple[int, int]:
     return lines, refused
 
 
+# What the session-checks pack's lists hold (rules/session-checks.yaml), for the ideal loop below.
+_WAIT_STATES: Final = frozenset({"awaiting_approval", "waiting_on_external"})
+_UNFINISHED: Final = frozenset({"planned", "awaiting_approval", "executing", "waiting_on_external", "retry_scheduled"})
+_ESCALATION: Final = frozenset({"user_prompt", "approval"})
+_STATUSES: Final = frozenset({"ok", "error"})
+_DECISIONS: Final = frozenset({"granted", "denied"})
+_ON_FAILURE: Final = frozenset({"ask_user", "abort", "compensate"})
+_WORKFLOW: Final = _UNFINISHED | {"completed", "failed", "compensated"}
+
+
+def all_packs_ideal(path: str) -> tuple[int, int]:
+    """(lines, findings): every shipped rule that can fire on an action log, inline, in the least
+    work each needs: the ceiling of any Python evaluator of the default rule set, generated or not.
+
+    Each line is parsed by the fastest validating parser (msgspec, in C, as ``floor``) and
+    its time by ``datetime.fromisoformat`` (C). The ten checks of the skill loop, the five
+    conditions of the session-checks pack (DS103 as a quick test for digits, less than the
+    rule's scan), and its session rules on plain dicts per session: DS101 and DS104 (the
+    first record of an action id or key, and the repeat compared), DS102 (the key of an
+    action id), DS105 and DS107 (a wait per session, due times in one heap), DS108 and DS109
+    (the latest approval), DS111 (error times of an action id in a ten-minute window).
+    Findings are counted, not reported; nothing is kept per session but the rules' state,
+    nothing is bounded, no summary. It does less than replay must, so replay can be no
+    faster than this loop, whatever its evaluator is made of.
+    """
+    from datetime import datetime
+    from heapq import heappop, heappush
+    from typing import Any
+
+    import msgspec
+
+    maybe_str, maybe_bool, maybe_int = str | None, bool | None, int | None
+    record_type = msgspec.defstruct("Record", [
+        ("session_id", str), ("action_id", str), ("kind", str), ("status", str),
+        ("time", maybe_str, None), ("result", Any, None), ("result_ref", maybe_str, None),
+        ("idempotency_key", maybe_str, None), ("replay", maybe_str, None), ("side_effects", maybe_bool, None),
+        ("retryable", maybe_bool, None), ("max_attempts", maybe_int, None), ("attempts", maybe_int, None),
+        ("cacheable", maybe_bool, None), ("cache_key", maybe_str, None), ("ttl_s", maybe_int, None),
+        ("on_failure", maybe_str, None), ("input_fingerprint", maybe_str, None),
+        ("workflow_state", maybe_str, None), ("replayed", maybe_bool, None),
+        ("approval_decision", maybe_str, None), ("plan_version", Any, None),
+        ("wait_timeout_s", int | float | None, None),
+    ], gc=False)
+    decode = msgspec.json.Decoder(record_type).decode
+    refused_error = msgspec.DecodeError
+    parse_time = datetime.fromisoformat
+    side_effecting, nondeterministic = _SIDE_EFFECTING, _NONDETERMINISTIC
+    lines = found = 0
+    ids: set[str] = set()
+    # One entry per session: [DS101 by id, DS102 by id, DS104 by key, DS111 by id, DS105 wait, DS107 wait,
+    # DS108 latest granted plan, DS109 by plan, DS111's ids above the threshold].
+    sessions: dict[str, list[Any]] = {}
+    due: list[tuple[float, str, int]] = []
+    window = 600.0
+    with open(path, "rb", buffering=_READ_SIZE) as handle:
+        for line in handle:
+            text = line.strip()
+            if not text or text[0] == 0x23:
+                continue
+            lines += 1
+            try:
+                r = decode(text)
+            except refused_error:
+                found += 1  # DS000
+                continue
+            action_id = r.action_id
+            if action_id in ids:
+                found += 1  # DS009
+            ids.add(action_id)
+            kind, status = r.kind, r.status
+            ok = status == "ok"
+            t = 0.0 if r.time is None else parse_time(r.time).timestamp()
+            while due and due[0][0] < t:  # waits whose deadline passed, in every session
+                _, owner, slot = heappop(due)
+                state = sessions[owner]
+                if state[slot] is not None:
+                    state[slot] = None
+                    found += 1
+            side = kind in side_effecting or r.side_effects is True
+            key = r.idempotency_key
+            retryable = r.retryable is True
+            cap, attempts, state_name = r.max_attempts, r.attempts, r.workflow_state
+            if kind in nondeterministic and ok and r.result is None and not r.result_ref:
+                found += 1
+            if side and ok and not key and r.replay != "skip":
+                found += 1
+            capped = cap is not None and cap >= 1
+            if retryable and not capped:
+                found += 1
+            if capped and attempts is not None and attempts > cap:
+                found += 1  # DS004, or DS114 when not retryable
+            if r.cacheable is True:
+                if kind == "user_prompt":
+                    found += 1
+                if not r.cache_key:
+                    found += 1
+                if not (r.ttl_s is not None and r.ttl_s > 0):
+                    found += 1
+            if key and any(c.isdigit() for c in key[:8]):
+                found += 0  # DS103's first test; the scan itself is left out
+            waiting = state_name in _WAIT_STATES
+            timeout = r.wait_timeout_s
+            if waiting and not (timeout is not None and timeout > 0):
+                found += 1  # DS106
+            decision, on_failure = r.approval_decision, r.on_failure
+            if (status not in _STATUSES or (decision is not None and decision not in _DECISIONS)
+                    or (on_failure and on_failure not in _ON_FAILURE)
+                    or (state_name is not None and state_name not in _WORKFLOW)):
+                found += 1  # DS112
+            session_id = r.session_id
+            state = sessions.get(session_id)
+            if state is None:
+                state = sessions[session_id] = [{}, {}, {}, {}, None, None, None, {}, set()]
+            replayed = r.replayed is True
+            fingerprint = r.input_fingerprint
+            first = state[0].get(action_id)  # DS101
+            if first is not None:
+                if (kind == first[0] and not replayed and not (fingerprint and first[1] and fingerprint != first[1])
+                        and not (side and key and key == first[2])):
+                    found += 1
+            elif ok and state_name not in _UNFINISHED:
+                state[0][action_id] = (kind, fingerprint, key)
+            if key:
+                earlier = state[1].get(action_id)  # DS102
+                if earlier is None:
+                    state[1][action_id] = key
+                elif earlier != key:
+                    found += 1
+                    state[1][action_id] = key
+                opener = state[2].get(key)  # DS104
+                if opener is None:
+                    state[2][key] = (action_id, fingerprint)
+                elif opener[0] != action_id or (fingerprint and opener[1] and fingerprint != opener[1]):
+                    found += 1
+            if status == "error":  # DS111: more than 10 in the window, reported as it crosses
+                times = state[3].get(action_id)
+                if times is None:
+                    state[3][action_id] = [t]
+                else:
+                    times.append(t)
+                    while times[0] < t - window:
+                        times.pop(0)
+                    if len(times) > 11:
+                        del times[0]
+                    if len(times) <= 10:
+                        state[8].discard(action_id)
+                    elif action_id not in state[8]:
+                        state[8].add(action_id)
+                        found += 1
+            if state[4] is not None and (kind in _ESCALATION or state_name == "awaiting_approval"):
+                state[4] = None  # DS105 resolved
+            if (status == "error" and attempts is not None and cap is not None and attempts >= cap
+                    and on_failure != "ask_user"):
+                state[4] = t
+                heappush(due, (t + 3600.0, session_id, 4))
+            if state[5] is not None and (decision is not None or (state_name is not None and not waiting)
+                                         or (action_id == state[5] and not waiting)):
+                state[5] = None  # DS107 resolved
+            if waiting and timeout is not None and timeout > 0:
+                state[5] = action_id
+                heappush(due, (t + timeout, session_id, 5))
+            plan = r.plan_version
+            if plan is not None:
+                granted = state[6]  # DS108
+                if (granted is not None and str(plan) != granted and not replayed
+                        and (state_name == "executing" or side)):
+                    found += 1
+                text_plan = str(plan)
+                decided = state[7].get(text_plan)  # DS109
+                if decided == "denied" and ok and not replayed and side:
+                    found += 1
+                if decision is not None:
+                    state[7][text_plan] = decision
+                    if decision == "granted":
+                        state[6] = text_plan
+    return lines, found
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in ("otlp", "actions", "skill", "floor"):
-        sys.stderr.write("usage: python -m bench.limits {otlp|actions|skill|floor} FILE\n")
+    if len(args) != 2 or args[0] not in ("otlp", "actions", "skill", "floor", "ideal"):
+        sys.stderr.write("usage: python -m bench.limits {otlp|actions|skill|floor|ideal} FILE\n")
         return 2
+    if args[0] == "ideal":
+        count, found = all_packs_ideal(args[1])
+        sys.stdout.write(json.dumps({"items": count, "findings": found}) + "\n")
+        return 0
     if args[0] in ("skill", "floor"):
         count, found = skill_limit(args[1]) if args[0] == "skill" else skill_floor(args[1])
         key = "violations" if args[0] == "skill" else "refused"

@@ -68,7 +68,8 @@ ROW_KEYS: Final = (
     "replay_otlp.rate", "replay_otlp.rss", "replay_otlp.wide", "replay_actions.rate", "replay_actions.rss",
     "replay_skill.clean.pack", "replay_skill.clean.all", "replay_skill.flaws.pack", "replay_skill.flaws.all",
     "replay_skill.violation", "replay_skill.violation.pair.text", "replay_skill.violation.pair.json",
-    "replay_skill.clean.floor", "replay_skill.flaws.floor", "replay_skill.startup", "replay_skill.shapes",
+    "replay_skill.clean.floor", "replay_skill.flaws.floor", "replay_skill.clean.ideal", "replay_skill.flaws.ideal",
+    "replay_skill.startup", "replay_skill.shapes",
     "replay_rss.small", "replay_rss.large", "replay_rss.actions.small", "replay_rss.actions.large",
     "live.sustained", "live.sustained.other", "live.sustained.replicas",
     "live.p50.default", "live.p99.default",
@@ -486,6 +487,22 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
                         f"{floor['limit_rate']:,.0f} lines/CPU-s (the loop)", floor["ratio"],
                         f"recorded: {TARGET_SKILL_PACK_RATIO}x the loop leaves {budget_us:.2f} us a line "
                         "past the parse, start-up and report included"))
+    # The ceiling beside the loop: every shipped rule inline, in the least work each needs. Replay
+    # with all packs can be no faster than this, whatever its evaluator is made of.
+    for name, share in SKILL_LOGS:
+        path, stats = skill_log(size.skill_lines, name, share, log)
+        ideal = floor_vs_limit(path, items=stats["actions"], runs=runs, loop="ideal")
+        results[f"{name}.ideal"] = ideal
+        replay_all = results[f"{name}.all"]
+        ideal["replay_all_share"] = _median(ideal["floor_cpu_s"]) / _median(replay_all["replay_cpu_s"])
+        log(f"replay_skill: {name}, every pack inline: {ideal['ratio']:.2f}x the inline checks; replay with all "
+            f"packs takes {1 / ideal['replay_all_share']:.2f}x its CPU")
+        rows.append(Row(f"replay_skill.{name}.ideal",
+                        f"every shipped rule inline, {name}: typed parse, plain dicts per session, counts only",
+                        ideal["floor_rate"], "lines/CPU-s", f"{ideal['limit_rate']:,.0f} lines/CPU-s (the loop)",
+                        ideal["ratio"],
+                        f"recorded: the most all packs could reach ({TARGET_SKILL_ALL_RATIO}x asked); replay "
+                        f"with all packs at {ideal['replay_all_share']:.2f} of its speed"))
     startup = startup_cost(runs)
     results["startup"] = startup
     log(f"replay_skill: start-up {startup['startup_ms']:.1f} ms of CPU past the floor's")
@@ -509,11 +526,11 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
     return rows
 
 
-def floor_vs_limit(path: Path, *, items: int, runs: int) -> dict[str, Any]:
-    """The skill's loop and the floor (``bench.limits floor``), alternated."""
+def floor_vs_limit(path: Path, *, items: int, runs: int, loop: str = "floor") -> dict[str, Any]:
+    """The skill's loop and the floor (``bench.limits floor``, or another of its loops), alternated."""
     limit_runs, floor_runs = alternated(python("-m", "bench.limits", "skill", str(path)),
-                                        python("-m", "bench.limits", "floor", str(path)), runs)
-    for kind, done in (*(("skill", r) for r in limit_runs), *(("floor", r) for r in floor_runs)):
+                                        python("-m", "bench.limits", loop, str(path)), runs)
+    for kind, done in (*(("skill", r) for r in limit_runs), *((loop, r) for r in floor_runs)):
         seen = orjson.loads(done.stdout)["items"]
         if seen != items:
             raise RuntimeError(f"{kind} loop saw {seen} items, expected {items}")

@@ -156,6 +156,56 @@ def test_the_floor_reads_the_lines_the_skills_loop_checks_and_refuses_the_malfor
     assert skill_floor(str(log)) == (5, 3)  # the line without a session, the wrong type, the cut line
 
 
+def _every_rule_once() -> list[bytes]:
+    """A log on which each session rule of the shipped packs, and a few others, finds one thing."""
+    lines: list[bytes] = []
+
+    def add(session: str, action: str, kind: str, second: int, **fields: object) -> None:
+        minutes, seconds = divmod(second, 60)
+        record = {"session_id": session, "action_id": action, "kind": kind, "status": fields.pop("status", "ok"),
+                  "time": f"2026-11-01T{9 + minutes // 60:02d}:{minutes % 60:02d}:{seconds:02d}Z", **fields}
+        lines.append(orjson.dumps(record))
+
+    add("s1", "a1", "llm_call", 0, result={"x": 1})
+    add("s1", "a1", "llm_call", 1, result={"x": 1})  # DS009, DS101
+    add("s1", "p1", "payment", 2, idempotency_key="k1", result=1)
+    add("s1", "p1", "payment", 3, idempotency_key="k2", result=1, replayed=True)  # DS009, DS102
+    add("s1", "p2", "payment", 4, idempotency_key="k2", result=1)  # DS104
+    add("s2", "e1", "tool_call", 5, status="error", attempts=3, max_attempts=3, retryable=True, on_failure="abort")
+    add("s2", "e2", "tool_call", 4000, result=1)  # DS105: no escalation within the hour
+    add("s3", "w1", "approval", 10, workflow_state="awaiting_approval", wait_timeout_s=60)
+    add("s3", "x1", "tool_call", 400)  # DS107: the wait passed
+    add("s4", "g1", "approval", 20, approval_decision="granted", plan_version=1)
+    add("s4", "x2", "payment", 21, plan_version=2, idempotency_key="k9", workflow_state="executing", result=1)  # DS108
+    add("s5", "g2", "approval", 30, approval_decision="denied", plan_version=3)
+    add("s5", "x3", "payment", 31, plan_version=3, idempotency_key="k8", result=1)  # DS109
+    for attempt in range(1, 12):  # DS111 at the 11th failure in ten minutes; DS009 from the 2nd
+        add("s6", "r1", "tool_call", 40 + attempt, status="error", retryable=True, max_attempts=20, attempts=attempt,
+            on_failure="abort")
+    add("s7", "c1", "clock", 60)  # DS001
+    add("s7", "q1", "payment", 61, result=1)  # DS002
+    add("s7", "b1", "tool_call", 62, workflow_state="paused")  # DS112
+    lines.append(b'{"session_id": "s7",')  # DS000
+    return lines
+
+
+def test_the_ideal_loop_finds_what_replay_with_every_pack_finds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ceiling loop does each rule's work: on a log where each finds something, it counts what replay reports."""
+    from bench.limits import all_packs_ideal
+    from processor import cli
+
+    log = tmp_path / "every-rule.jsonl"
+    log.write_bytes(b"".join(line + b"\n" for line in _every_rule_once()))
+    cli.main(["replay", "--format", "json", str(log)])
+    report = orjson.loads(capsys.readouterr().out)
+    rules = {v["rule"] for v in report["violations"]}
+    assert {"DS000", "DS001", "DS002", "DS009", "DS101", "DS102", "DS104", "DS105", "DS107", "DS108", "DS109",
+            "DS111", "DS112"} <= rules  # fmt: skip
+    assert all_packs_ideal(str(log)) == (len(_every_rule_once()), len(report["violations"]))
+
+
 def test_the_hand_off_reads_back_what_conversion_gave_and_measures_both_sides(tmp_path: Path) -> None:
     """bench_handoff converts the dump's requests, writes and reads their items back, and refuses
     to measure a hand-off that would not give the evaluator the same items."""

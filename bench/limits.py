@@ -208,8 +208,9 @@ def all_packs_ideal(path: str) -> tuple[int, int]:
     """(lines, findings): every shipped rule that can fire on an action log, inline, in the least
     work each needs: the ceiling of any Python evaluator of the default rule set, generated or not.
 
-    Each line is parsed by the fastest validating parser (msgspec, in C, as ``floor``) and
-    its time by ``datetime.fromisoformat`` (C). The ten checks of the skill loop, the five
+    Each line is parsed by the fastest validating parser (msgspec, in C, as ``floor``; a
+    result is only found, not decoded) and its time by ``datetime.fromisoformat`` (C, once
+    for lines that repeat the time before them). The ten checks of the skill loop, the five
     conditions of the session-checks pack (DS103 as a quick test for digits, less than the
     rule's scan), and its session rules on plain dicts per session: DS101 and DS104 (the
     first record of an action id or key, and the repeat compared), DS102 (the key of an
@@ -228,7 +229,7 @@ def all_packs_ideal(path: str) -> tuple[int, int]:
     maybe_str, maybe_bool, maybe_int = str | None, bool | None, int | None
     record_type = msgspec.defstruct("Record", [
         ("session_id", str), ("action_id", str), ("kind", str), ("status", str),
-        ("time", maybe_str, None), ("result", Any, None), ("result_ref", maybe_str, None),
+        ("time", maybe_str, None), ("result", msgspec.Raw, None), ("result_ref", maybe_str, None),
         ("idempotency_key", maybe_str, None), ("replay", maybe_str, None), ("side_effects", maybe_bool, None),
         ("retryable", maybe_bool, None), ("max_attempts", maybe_int, None), ("attempts", maybe_int, None),
         ("cacheable", maybe_bool, None), ("cache_key", maybe_str, None), ("ttl_s", maybe_int, None),
@@ -248,6 +249,8 @@ def all_packs_ideal(path: str) -> tuple[int, int]:
     sessions: dict[str, list[Any]] = {}
     due: list[tuple[float, str, int]] = []
     window = 600.0
+    last_when: str | None = None
+    last_t = 0.0
     with open(path, "rb", buffering=_READ_SIZE) as handle:
         for line in handle:
             text = line.strip()
@@ -265,7 +268,10 @@ def all_packs_ideal(path: str) -> tuple[int, int]:
             ids.add(action_id)
             kind, status = r.kind, r.status
             ok = status == "ok"
-            t = 0.0 if r.time is None else parse_time(r.time).timestamp()
+            when = r.time
+            if when != last_when:  # lines written in the same second share their time
+                last_when, last_t = when, 0.0 if when is None else parse_time(when).timestamp()
+            t = last_t
             while due and due[0][0] < t:  # waits whose deadline passed, in every session
                 _, owner, slot = heappop(due)
                 state = sessions[owner]

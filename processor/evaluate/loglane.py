@@ -11,12 +11,12 @@ identity stage. The lane reads them itself:
   handlers and state, handed each valid line in input order (``Engine.log_session_rules``),
   with the engine's clock: one implementation of their semantics for both paths;
 - a record is the dict orjson gives, validated as ``processor.convert.actionlog`` does; or,
-  when the condition and file rules read only typed fields' values (``_typed_fields``), a
-  typed line: the line decoded and type-checked in one step, in C, into a struct
-  (``actionlog.typed_decoder``; the strict decoder takes no field the rules do not name, the
-  open one skips such fields and orjson confirms the line), read by a twin of ``check``
-  generated over attributes. With session rules the open decoder checks every line and
-  orjson's dict of it, which confirms it, is what the session rules read;
+  when the rule set has no session rules and reads only typed fields' values
+  (``_typed_fields``), a typed line: the line decoded and type-checked in one step, in C,
+  into a struct (``actionlog.typed_decoder``; the strict decoder takes no field the rules do
+  not name, the open one skips such fields and orjson confirms the line), read by a twin of
+  ``check`` generated over attributes. Session rules read dicts; the typed decode beside
+  orjson's costs the compiled build what its dict check saves (measured, twelfth stop);
 - a rule function (``timeDerived``, DS103) is called from the generated code itself, with
   arguments whose types it answers for without raising (``_FUNCTIONS``);
 - a condition's top-level terms that several rules share are tested once, the rules
@@ -217,9 +217,7 @@ class LogLane:
         self._typed: _Generated | None = None
         self._decode: Callable[[bytes], Any] | None = None
         self._open_decode: Callable[[bytes], Any] | None = None
-        # Session rules read the line as a dict (the engine's handlers): then the lenient decoder
-        # type-checks the line in C and orjson's dict, which confirms it, is what they read.
-        extras = _typed_fields((*self._conditions, *self._file_plans))
+        extras = None if self._session_rules else _typed_fields((*self._conditions, *self._file_plans))
         if extras is not None and not self._generated.fallback:
             decoders = typed_decoder(extras)
             try:
@@ -229,11 +227,8 @@ class LogLane:
             except Unsupported:
                 pass  # a message hole keeps its closure: dict records only
             else:
-                if self._session_rules:
-                    self._decode = self._open_decode = decoders.lenient
-                else:
-                    self._decode = decoders.strict
-                    self._open_decode = _confirmed(decoders.lenient)
+                self._decode = decoders.strict
+                self._open_decode = _confirmed(decoders.lenient)
         self._malformed_offset = len(self._generated.plans)
         helpers = {"_text": _text, "_p": _printable}
         # Per malformed rule: its message and the message as the text report prints it, or
@@ -508,8 +503,6 @@ class LogLane:
                     if len(raw) <= typed_max:
                         try:
                             record = decode(raw)  # type: ignore[misc]
-                            if session_rules:
-                                line_record = loads(raw)  # confirms the lenient decoder's line
                             is_typed = True
                         except _TYPED_REFUSED:
                             tried = True
@@ -539,7 +532,6 @@ class LogLane:
                                 continue
                             record = item.record
                         refused += tried
-                        line_record = record
                         when = record.get("time")
                         session_id = record["session_id"]
                         kind = record["kind"]
@@ -564,11 +556,10 @@ class LogLane:
                         meta["time_ns"] = t or 0
                     check(record, number, t, hits)
                     if session_rules:
-                        found = session_stage(line_record, origin, number, t)
+                        found = session_stage(record, origin, number, t)
                         if found:
                             # A session rule fired on this line: its violations join the line's, by rule id.
-                            self._emit(hits, line_record, False, session_id, line_record["action_id"], kind, number, t,
-                                       origin,
+                            self._emit(hits, record, False, session_id, record["action_id"], kind, number, t, origin,
                                        found)
                             hits.clear()
                             continue

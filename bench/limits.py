@@ -211,8 +211,8 @@ def all_packs_ideal(path: str) -> tuple[int, int]:
     Each line is parsed by the fastest validating parser (msgspec, in C, as ``floor``; a
     result is only found, not decoded) and its time by ``datetime.fromisoformat`` (C, once
     for lines that repeat the time before them). The ten checks of the skill loop, the five
-    conditions of the session-checks pack (DS103 as a quick test for digits, less than the
-    rule's scan), and its session rules on plain dicts per session: DS101 and DS104 (the
+    conditions of the session-checks pack (DS103 by the rule's own ``timeDerived``), and its
+    session rules on plain dicts per session: DS101 and DS104 (the
     first record of an action id or key, and the repeat compared), DS102 (the key of an
     action id), DS105 and DS107 (a wait per session, due times in one heap), DS108 and DS109
     (the latest approval), DS111 (error times of an action id in a ten-minute window).
@@ -225,6 +225,8 @@ def all_packs_ideal(path: str) -> tuple[int, int]:
     from typing import Any
 
     import msgspec
+
+    from processor.evaluate.functions import time_derived
 
     maybe_str, maybe_bool, maybe_int = str | None, bool | None, int | None
     record_type = msgspec.defstruct("Record", [
@@ -298,8 +300,8 @@ def all_packs_ideal(path: str) -> tuple[int, int]:
                     found += 1
                 if not (r.ttl_s is not None and r.ttl_s > 0):
                     found += 1
-            if key and any(c.isdigit() for c in key[:8]):
-                found += 0  # DS103's first test; the scan itself is left out
+            if key and time_derived(key, int(t * 1e9)):
+                found += 1  # DS103, the rule's own function
             waiting = state_name in _WAIT_STATES
             timeout = r.wait_timeout_s
             if waiting and not (timeout is not None and timeout > 0):

@@ -474,16 +474,16 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
     # The floor beside the loop: how far a Python replay could go at most, and what the target leaves.
     for name, share in SKILL_LOGS:
         path, stats = skill_log(size.skill_lines, name, share, log)
-        floor = floor_vs_limit(path, items=stats["actions"], runs=runs)
+        floor = loop_vs_skill(path, "floor", items=stats["actions"], runs=runs)
         results[f"{name}.floor"] = floor
         budget_us = (_median(floor["limit_cpu_s"]) / TARGET_SKILL_PACK_RATIO
-                     - _median(floor["floor_cpu_s"])) / stats["actions"] * 1e6
+                     - _median(floor["loop_cpu_s"])) / stats["actions"] * 1e6
         floor["budget_us_per_line"] = budget_us
         log(f"replay_skill: {name}, the floor: {floor['ratio']:.2f}x the inline checks; {TARGET_SKILL_PACK_RATIO}x "
             f"leaves {budget_us:.2f} us a line past the parse")
         rows.append(Row(f"replay_skill.{name}.floor",
                         f"the floor of a Python replay, {name}: each line read and parsed typed (msgspec), "
-                        "nothing else", floor["floor_rate"], "lines/CPU-s",
+                        "nothing else", floor["loop_rate"], "lines/CPU-s",
                         f"{floor['limit_rate']:,.0f} lines/CPU-s (the loop)", floor["ratio"],
                         f"recorded: {TARGET_SKILL_PACK_RATIO}x the loop leaves {budget_us:.2f} us a line "
                         "past the parse, start-up and report included"))
@@ -491,15 +491,15 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
     # with all packs can be no faster than this, whatever its evaluator is made of.
     for name, share in SKILL_LOGS:
         path, stats = skill_log(size.skill_lines, name, share, log)
-        ideal = floor_vs_limit(path, items=stats["actions"], runs=runs, loop="ideal")
+        ideal = loop_vs_skill(path, "ideal", items=stats["actions"], runs=runs)
         results[f"{name}.ideal"] = ideal
         replay_all = results[f"{name}.all"]
-        ideal["replay_all_share"] = _median(ideal["floor_cpu_s"]) / _median(replay_all["replay_cpu_s"])
+        ideal["replay_all_share"] = _median(ideal["loop_cpu_s"]) / _median(replay_all["replay_cpu_s"])
         log(f"replay_skill: {name}, every pack inline: {ideal['ratio']:.2f}x the inline checks; replay with all "
             f"packs takes {1 / ideal['replay_all_share']:.2f}x its CPU")
         rows.append(Row(f"replay_skill.{name}.ideal",
                         f"every shipped rule inline, {name}: typed parse, plain dicts per session, counts only",
-                        ideal["floor_rate"], "lines/CPU-s", f"{ideal['limit_rate']:,.0f} lines/CPU-s (the loop)",
+                        ideal["loop_rate"], "lines/CPU-s", f"{ideal['limit_rate']:,.0f} lines/CPU-s (the loop)",
                         ideal["ratio"],
                         f"recorded: the most all packs could reach ({TARGET_SKILL_ALL_RATIO}x asked); replay "
                         f"with all packs at {ideal['replay_all_share']:.2f} of its speed"))
@@ -526,20 +526,20 @@ def section_replay_skill(size: Size, runs: int, log: Callable[[str], None], deta
     return rows
 
 
-def floor_vs_limit(path: Path, *, items: int, runs: int, loop: str = "floor") -> dict[str, Any]:
-    """The skill's loop and the floor (``bench.limits floor``, or another of its loops), alternated."""
-    limit_runs, floor_runs = alternated(python("-m", "bench.limits", "skill", str(path)),
-                                        python("-m", "bench.limits", loop, str(path)), runs)
-    for kind, done in (*(("skill", r) for r in limit_runs), *((loop, r) for r in floor_runs)):
+def loop_vs_skill(path: Path, loop: str, *, items: int, runs: int) -> dict[str, Any]:
+    """The skill's loop and another of ``bench.limits``'s loops (the floor, the ideal), alternated."""
+    limit_runs, loop_runs = alternated(python("-m", "bench.limits", "skill", str(path)),
+                                       python("-m", "bench.limits", loop, str(path)), runs)
+    for kind, done in (*(("skill", r) for r in limit_runs), *((loop, r) for r in loop_runs)):
         seen = orjson.loads(done.stdout)["items"]
         if seen != items:
             raise RuntimeError(f"{kind} loop saw {seen} items, expected {items}")
     return {
         "items": items,
-        "floor_rate": _median([items / r.cpu_s for r in floor_runs]),
+        "loop_rate": _median([items / r.cpu_s for r in loop_runs]),
         "limit_rate": _median([items / r.cpu_s for r in limit_runs]),
-        "ratio": _median([lr.cpu_s / fr.cpu_s for fr, lr in zip(floor_runs, limit_runs, strict=True)]),
-        "floor_cpu_s": [r.cpu_s for r in floor_runs],
+        "ratio": _median([lr.cpu_s / fr.cpu_s for fr, lr in zip(loop_runs, limit_runs, strict=True)]),
+        "loop_cpu_s": [r.cpu_s for r in loop_runs],
         "limit_cpu_s": [r.cpu_s for r in limit_runs],
     }
 

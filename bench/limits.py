@@ -161,6 +161,19 @@ def skill_limit(path: str, strict: bool = False) -> tuple[int, int]:
     return records, violations
 
 
+def _skill_fields(result_type: object) -> list[tuple[object, ...]]:
+    """The skill's fields as msgspec.defstruct takes them, ``result`` of ``result_type``."""
+    maybe_str, maybe_bool, maybe_int = str | None, bool | None, int | None
+    return [
+        ("session_id", str), ("action_id", str), ("kind", str), ("status", str),
+        ("time", maybe_str, None), ("result", result_type, None), ("result_ref", maybe_str, None),
+        ("idempotency_key", maybe_str, None), ("replay", maybe_str, None), ("side_effects", maybe_bool, None),
+        ("retryable", maybe_bool, None), ("max_attempts", maybe_int, None), ("attempts", maybe_int, None),
+        ("cacheable", maybe_bool, None), ("cache_key", maybe_str, None), ("ttl_s", maybe_int, None),
+        ("on_failure", maybe_str, None),
+    ]
+
+
 def skill_floor(path: str) -> tuple[int, int]:
     """(lines, lines the typed parse refused): each line parsed into the skill's fields, and nothing else."""
     from typing import Any
@@ -168,15 +181,7 @@ def skill_floor(path: str) -> tuple[int, int]:
     import msgspec
 
     # Built here, not at module level: the skill's loop imports nothing but json.
-    maybe_str, maybe_bool, maybe_int = str | None, bool | None, int | None
-    skill_record = msgspec.defstruct("SkillRecord", [
-        ("session_id", str), ("action_id", str), ("kind", str), ("status", str),
-        ("time", maybe_str, None), ("result", Any, None), ("result_ref", maybe_str, None),
-        ("idempotency_key", maybe_str, None), ("replay", maybe_str, None), ("side_effects", maybe_bool, None),
-        ("retryable", maybe_bool, None), ("max_attempts", maybe_int, None), ("attempts", maybe_int, None),
-        ("cacheable", maybe_bool, None), ("cache_key", maybe_str, None), ("ttl_s", maybe_int, None),
-        ("on_failure", maybe_str, None),
-    ])
+    skill_record = msgspec.defstruct("SkillRecord", _skill_fields(Any))
 
     decode = msgspec.json.Decoder(skill_record).decode
     refused_error = msgspec.DecodeError
@@ -228,15 +233,10 @@ def all_packs_ideal(path: str) -> tuple[int, int]:
 
     from processor.evaluate.functions import time_derived
 
-    maybe_str, maybe_bool, maybe_int = str | None, bool | None, int | None
+    maybe_str = str | None
     record_type = msgspec.defstruct("Record", [
-        ("session_id", str), ("action_id", str), ("kind", str), ("status", str),
-        ("time", maybe_str, None), ("result", msgspec.Raw, None), ("result_ref", maybe_str, None),
-        ("idempotency_key", maybe_str, None), ("replay", maybe_str, None), ("side_effects", maybe_bool, None),
-        ("retryable", maybe_bool, None), ("max_attempts", maybe_int, None), ("attempts", maybe_int, None),
-        ("cacheable", maybe_bool, None), ("cache_key", maybe_str, None), ("ttl_s", maybe_int, None),
-        ("on_failure", maybe_str, None), ("input_fingerprint", maybe_str, None),
-        ("workflow_state", maybe_str, None), ("replayed", maybe_bool, None),
+        *_skill_fields(msgspec.Raw),  # a result is only found, not decoded
+        ("input_fingerprint", maybe_str, None), ("workflow_state", maybe_str, None), ("replayed", bool | None, None),
         ("approval_decision", maybe_str, None), ("plan_version", Any, None),
         ("wait_timeout_s", int | float | None, None),
     ], gc=False)

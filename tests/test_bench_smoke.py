@@ -206,6 +206,20 @@ def test_the_ideal_loop_finds_what_replay_with_every_pack_finds(
     assert all_packs_ideal(str(log)) == (len(_every_rule_once()), len(report["violations"]))
 
 
+def test_the_ideal_loops_lists_are_the_packs_own() -> None:
+    """The ideal loop holds the packs' lists inline (loading the rules would be measured with it)."""
+    from bench import limits
+
+    lists = load_rules([]).lists
+    inline = {"wait_states": limits._WAIT_STATES, "unfinished_states": limits._UNFINISHED,
+              "escalation_kinds": limits._ESCALATION, "statuses": limits._STATUSES,
+              "approval_decisions": limits._DECISIONS, "on_failure_values": limits._ON_FAILURE,
+              "workflow_states": limits._WORKFLOW, "side_effecting": limits._SIDE_EFFECTING,
+              "nondeterministic": limits._NONDETERMINISTIC}  # fmt: skip
+    for name, held in inline.items():
+        assert frozenset(lists[name]) == held, name
+
+
 def test_the_hand_off_reads_back_what_conversion_gave_and_measures_both_sides(tmp_path: Path) -> None:
     """bench_handoff converts the dump's requests, writes and reads their items back, and refuses
     to measure a hand-off that would not give the evaluator the same items."""

@@ -173,6 +173,69 @@ def test_an_untimed_log_packs_a_session_once_enough_others_have_had_records_sinc
     assert not _is_packed(engine._sessions["first"])
 
 
+def _untimed_line(n: int, session: str, action_id: str) -> Action:
+    record = log_line(n, session=session, action_id=action_id, kind="user_prompt").record
+    return Action(record, "log", "actions.jsonl", n, None, n)
+
+
+def test_an_untimed_log_packs_long_sessions_once_the_recent_ones_hold_more_entries_than_the_budget() -> None:
+    """Long sessions each bring back all their groups: sessions without times are held unpacked
+    only while the most recent together hold at most pack_untimed_after_entries entries, even
+    when pack_untimed_after_sessions would keep more of them."""
+
+    def run(budget: int) -> tuple[Engine, list[Any]]:
+        engine = Engine(shipped(), EngineOptions(pack_every_records=1, pack_untimed_after_sessions=100,
+                                                 pack_untimed_after_entries=budget))
+        out = []
+        for n in range(1, 6):
+            out += engine.submit_many([_untimed_line(n, "long", f"a{n}")])
+        for n in range(6, 8):
+            out += engine.submit_many([_untimed_line(n, "next", f"b{n}")])
+        return engine, out
+
+    small, _ = run(4)
+    assert small._sessions["long"].entry_count() == 5
+    assert _is_packed(small._sessions["long"])
+    large, _ = run(32_768)
+    assert not _is_packed(large._sessions["long"])
+    # The same completed action executed again: DS101 against the packed group.
+    out = small.submit_many([_untimed_line(8, "long", "a2")]) + small.finish()
+    assert [(v.rule, v.session_id, v.line) for v in out if v.rule == "DS101"] == [("DS101", "long", 8)]
+    assert not _is_packed(small._sessions["long"])
+
+
+def test_the_entry_budget_grows_when_the_sessions_packed_for_it_come_back() -> None:
+    """Two long sessions in turns: each is packed for the budget while the other runs, and comes
+    back. The budget doubles each time more than a quarter of those come back, so the turns stop
+    packing them; the verdicts are those of an engine that never packs."""
+    packing = Engine(shipped(), EngineOptions(pack_every_records=1, pack_untimed_after_sessions=100,
+                                              pack_untimed_after_entries=4))
+    never = Engine(shipped(), EngineOptions(pack_idle_after_s=None))
+    packed_after: list[bool] = []
+    found: dict[str, list[Any]] = {"packing": [], "never": []}
+    n = 0
+    for turn in range(16):
+        session, other = ("a", "b") if turn % 2 == 0 else ("b", "a")
+        for i in range(4):
+            n += 1
+            # The last action of a turn repeats the first of the session's previous turn: DS101,
+            # found in its groups, packed or not.
+            action_id = f"{session}{turn - 2}-0" if turn >= 2 and i == 3 else f"{session}{turn}-{i}"
+            found["packing"] += packing.submit_many([_untimed_line(n, session, action_id)])
+            found["never"] += never.submit_many([_untimed_line(n, session, action_id)])
+        if other in packing._sessions:
+            packed_after.append(_is_packed(packing._sessions[other]))
+    assert packed_after[0] is True  # 4 entries past a budget of 4
+    # Both now hold more than five times the budget it started at, and neither is packed.
+    assert packed_after[-4:] == [False, False, False, False]
+    assert min(packing._sessions[s].entry_count() for s in "ab") > 20
+    found["packing"] += packing.finish()
+    found["never"] += never.finish()
+    rows = {k: [(v.rule, v.session_id, v.line) for v in vs] for k, vs in found.items()}
+    assert rows["packing"] == rows["never"]
+    assert sum(1 for rule, _, _ in rows["packing"] if rule == "DS101") == 14
+
+
 def test_a_quiet_serve_packs_an_idle_session_on_its_clock_and_reads_it_back() -> None:
     """No record needs to arrive: serve's ticks move the clock, and a look is due once it has
     moved on by the idle time (the first tick releases the span: its session changed then)."""

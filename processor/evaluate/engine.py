@@ -199,8 +199,11 @@ class EngineOptions:
     # a look is also due once the clock has moved on by pack_idle_after_s.
     pack_every_records: int = 16_384
     # A session whose records carry no event time (an action log without times) has no idle
-    # clock: it counts as idle once this many other sessions have had records since its last.
+    # clock: it counts as idle once this many other sessions have had records since its last,
+    # or sooner, once those sessions hold this many entries unpacked (long sessions each bring
+    # back all their groups when they have a line again).
     pack_untimed_after_sessions: int = 1024
+    pack_untimed_after_entries: int = 32_768
 
     def __post_init__(self) -> None:
         problems = []
@@ -223,8 +226,9 @@ class EngineOptions:
             problems.append("pack_idle_after_s must be >= 0")
         if self.pack_every_records < 1:
             problems.append("pack_every_records must be >= 1")
-        if self.pack_untimed_after_sessions < 0:
-            problems.append("pack_untimed_after_sessions must be >= 0")
+        for name in ("pack_untimed_after_sessions", "pack_untimed_after_entries"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0")
         for name in ("max_ended_sessions", "max_fired_waits_per_session"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
@@ -435,6 +439,8 @@ class _Route:
         self.stateful = stateful
 
 
+# The entry budget of untimed sessions held unpacked grows to this at most (Engine._grow_untimed_budget).
+_UNTIMED_BUDGET_MAX: Final = 1 << 40
 # Distinct record shapes (values of guarded fields, keys present) remembered with their route.
 _ROUTES_MAX: Final = 4096
 # dict.get(classes, value, type(value)): a guarded field's value class, computed in C.
@@ -787,6 +793,10 @@ class Engine:
         self._packed_clock = 0
         # Sessions packed and their packed bytes, as the last packing pass found them.
         self._packed_count = (0, 0)
+        # The entry budget of untimed sessions held unpacked (see _untimed_recent_from), and the
+        # sessions packed for it alone that have not come back since: if many do, it is too small.
+        self._untimed_budget = options.pack_untimed_after_entries
+        self._packed_for_budget: list[SessionState] = []
         # Replay moves packed groups out of memory into a temporary file (made at the first pack);
         # serve keeps them: its sessions' groups are in its state store already.
         self._cold = None if self._serve else ColdFile()
@@ -2086,13 +2096,18 @@ class Engine:
         is unpacked as soon as it is looked up again. Those changed in this batch, and those
         with spans in the reordering window, are left as they are: they are about to be read.
         A session with no event time (replay of an action log without times) is idle once
-        ``pack_untimed_after_sessions`` other sessions have had records after its last one.
+        ``pack_untimed_after_sessions`` other sessions have had records after its last one, or
+        once those sessions hold ``pack_untimed_after_entries`` entries unpacked.
         """
         assert self._pack_idle_ns is not None
         self._packed_at = self._state.counters["actions_seen"]
         clock = self._packed_clock = self._pack_clock()
         horizon = clock - self._pack_idle_ns
-        recent_from = len(self._sessions) - self.options.pack_untimed_after_sessions
+        self._grow_untimed_budget()
+        recent_from = self._untimed_recent_from()
+        # Untimed sessions from here on are recent by their number: packed, they are packed for the budget.
+        budget_from = len(self._sessions) - self.options.pack_untimed_after_sessions
+        packed_for_budget = self._packed_for_budget
         dirty = self._dirty
         # Counted for self-telemetry as the pass goes: a session looked up again is unpacked and
         # moves to the end, so the packed ones are among those this pass reads.
@@ -2114,7 +2129,43 @@ class Engine:
             if not session.buffered and session.session_id not in dirty and session.pack(self._cold):
                 packed += 1
                 held += session.packed_bytes()
+                if activity is None and position >= budget_from:
+                    packed_for_budget.append(session)
         self._packed_count = (packed, held)
+
+    def _grow_untimed_budget(self) -> None:
+        """Double the entry budget when more than a quarter of the sessions packed for it alone (and
+        not back since the last look) have had records since: long sessions interleave, and
+        packing them trades CPU for memory they take back. It never shrinks: at most, the number
+        of sessions bounds what is held unpacked, as it does without the budget."""
+        waiting = self._packed_for_budget
+        if not waiting:
+            return
+        sessions = self._sessions
+        still = [s for s in waiting if s.packed is not None and sessions.get(s.session_id) is s]
+        returned = sum(1 for s in waiting if s.packed is None and sessions.get(s.session_id) is s)
+        self._packed_for_budget = still
+        if returned * 4 > len(waiting):
+            self._untimed_budget = min(self._untimed_budget * 2, _UNTIMED_BUDGET_MAX)
+
+    def _untimed_recent_from(self) -> int:
+        """The position (least recently active first) from which a session without event time is
+        recent, not idle: the last ``pack_untimed_after_sessions``, fewer when those hold more
+        than the entry budget unpacked (``pack_untimed_after_entries`` at first; their counts as of
+        their last batch)."""
+        sessions = self._sessions
+        limit = self.options.pack_untimed_after_sessions
+        budget = self._untimed_budget
+        recent = held = 0
+        for session in reversed(sessions.values()):
+            if recent >= limit:
+                break
+            if session.packed is None:
+                held += session.entries
+                if held > budget:
+                    break
+            recent += 1
+        return len(sessions) - recent
 
     # -- the global bound on remembered entries -------------------------------------------
 

@@ -2142,8 +2142,15 @@ class Engine:
         if not waiting:
             return
         sessions = self._sessions
-        still = [s for s in waiting if s.packed is not None and sessions.get(s.session_id) is s]
-        returned = sum(1 for s in waiting if s.packed is None and sessions.get(s.session_id) is s)
+        still: list[SessionState] = []
+        returned = 0
+        for session in waiting:
+            if sessions.get(session.session_id) is not session:
+                continue  # ended or evicted
+            if session.packed is None:
+                returned += 1
+            else:
+                still.append(session)
         self._packed_for_budget = still
         if returned * 4 > len(waiting):
             self._untimed_budget = min(self._untimed_budget * 2, _UNTIMED_BUDGET_MAX)

@@ -144,38 +144,33 @@ def test_an_idle_session_is_packed_and_its_groups_still_judge_its_next_record() 
     assert [(v.rule, v.session_id, v.action_id) for v in out if v.rule == "DS101"] == [("DS101", "quiet", "ask")]
 
 
+def _untimed_line(n: int, session: str, action_id: str) -> Action:
+    record = log_line(n, session=session, action_id=action_id, kind="user_prompt").record
+    return Action(record, "log", "actions.jsonl", n, None, n)
+
+
 def test_an_untimed_log_packs_a_session_once_enough_others_have_had_records_since() -> None:
     """An action log without times has no idle clock: a session is idle once
     pack_untimed_after_sessions other sessions have had records after its last one."""
     engine = Engine(shipped(), EngineOptions(pack_every_records=1, pack_untimed_after_sessions=3))
-
-    def line(n: int, session: str, action_id: str) -> Action:
-        record = log_line(n, session=session, action_id=action_id, kind="user_prompt").record
-        return Action(record, "log", "actions.jsonl", n, None, n)
-
-    engine.submit_many([line(1, "first", "ask")])
-    engine.submit_many([line(2, "second", "ask")])
+    engine.submit_many([_untimed_line(1, "first", "ask")])
+    engine.submit_many([_untimed_line(2, "second", "ask")])
     # A look comes every as many records as there are open sessions: the third session's
     # records are enough for one, when "first" has only two others ("second", "third") after it.
     for n in range(3, 7):
-        engine.submit_many([line(n, "third", f"t{n}")])
+        engine.submit_many([_untimed_line(n, "third", f"t{n}")])
     assert not _is_packed(engine._sessions["first"])
     for n in range(7, 11):
-        engine.submit_many([line(n, "fourth", f"f{n}")])
+        engine.submit_many([_untimed_line(n, "fourth", f"f{n}")])
     # Three others after "first" now; "second" has two.
     assert _is_packed(engine._sessions["first"])
     assert not _is_packed(engine._sessions["second"])
     assert not _is_packed(engine._sessions["third"])
     assert not _is_packed(engine._sessions["fourth"])
-    out = engine.submit_many([line(11, "first", "ask")])
+    out = engine.submit_many([_untimed_line(11, "first", "ask")])
     out += engine.finish()
     assert [(v.rule, v.session_id, v.line) for v in out if v.rule == "DS101"] == [("DS101", "first", 11)]
     assert not _is_packed(engine._sessions["first"])
-
-
-def _untimed_line(n: int, session: str, action_id: str) -> Action:
-    record = log_line(n, session=session, action_id=action_id, kind="user_prompt").record
-    return Action(record, "log", "actions.jsonl", n, None, n)
 
 
 def test_an_untimed_log_packs_long_sessions_once_the_recent_ones_hold_more_entries_than_the_budget() -> None:
@@ -183,20 +178,19 @@ def test_an_untimed_log_packs_long_sessions_once_the_recent_ones_hold_more_entri
     only while the most recent together hold at most pack_untimed_after_entries entries, even
     when pack_untimed_after_sessions would keep more of them."""
 
-    def run(budget: int) -> tuple[Engine, list[Any]]:
+    def run(budget: int) -> Engine:
         engine = Engine(shipped(), EngineOptions(pack_every_records=1, pack_untimed_after_sessions=100,
                                                  pack_untimed_after_entries=budget))
-        out = []
         for n in range(1, 6):
-            out += engine.submit_many([_untimed_line(n, "long", f"a{n}")])
+            engine.submit_many([_untimed_line(n, "long", f"a{n}")])
         for n in range(6, 8):
-            out += engine.submit_many([_untimed_line(n, "next", f"b{n}")])
-        return engine, out
+            engine.submit_many([_untimed_line(n, "next", f"b{n}")])
+        return engine
 
-    small, _ = run(4)
+    small = run(4)
     assert small._sessions["long"].entry_count() == 5
     assert _is_packed(small._sessions["long"])
-    large, _ = run(32_768)
+    large = run(32_768)
     assert not _is_packed(large._sessions["long"])
     # The same completed action executed again: DS101 against the packed group.
     out = small.submit_many([_untimed_line(8, "long", "a2")]) + small.finish()

@@ -200,8 +200,8 @@ class EngineOptions:
     pack_every_records: int = 16_384
     # A session whose records carry no event time (an action log without times) has no idle
     # clock: it counts as idle once this many other sessions have had records since its last,
-    # or sooner, once those sessions hold this many entries unpacked (long sessions each bring
-    # back all their groups when they have a line again).
+    # or sooner, once it and those sessions hold this many entries unpacked (long sessions each
+    # bring back all their groups when they have a line again).
     pack_untimed_after_sessions: int = 1024
     pack_untimed_after_entries: int = 32_768
 
@@ -2097,7 +2097,8 @@ class Engine:
         with spans in the reordering window, are left as they are: they are about to be read.
         A session with no event time (replay of an action log without times) is idle once
         ``pack_untimed_after_sessions`` other sessions have had records after its last one, or
-        once those sessions hold ``pack_untimed_after_entries`` entries unpacked.
+        once it and those sessions hold the entry budget's entries unpacked (at first
+        ``pack_untimed_after_entries``; see _grow_untimed_budget).
         """
         assert self._pack_idle_ns is not None
         self._packed_at = self._state.counters["actions_seen"]
